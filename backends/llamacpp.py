@@ -1,0 +1,275 @@
+"""llama.cpp through llama-cpp-python's low-level API.
+
+One context holds `n_seq_max` sequences; each step is one `llama_batch` mixing a
+decode token per decoding sequence with the prefill chunk(s). `llama_decode` on
+the CPU returns when the work is done, so wall time around it is the completed
+step time.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dlfp.backends.protocol import (
+    TIMING_SYNC_WALL,
+    Backend,
+    BackendError,
+    Capabilities,
+    StepPlan,
+    StepResult,
+)
+
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelLoadError(ValueError):
+    """The model file is missing, not a GGUF, or llama.cpp refused it."""
+
+
+@dataclass(frozen=True)
+class LlamaCppConfig:
+    model_path: str
+    n_ctx: int = 8192
+    n_seq_max: int = 4
+    n_batch: int = 512
+    n_threads: int | None = None  # None: one per physical core
+    kv_unified: bool = False  # one cache for all sequences (see README: a benchmark setting)
+    extra_buffers: bool = False  # llama.cpp's repacked weight buffers (AMX); see __init__
+    verbose: bool = False
+
+
+def check_gguf(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelLoadError(f"model path is not a file: {p}")
+    with open(p, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelLoadError(f"not a GGUF file (bad magic): {p}")
+    return p
+
+
+def default_threads() -> int:
+    import psutil
+
+    # Oversubscribing cores turns a 1 ms decode into hundreds of ms: one per physical core.
+    return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+
+
+class _Batch:
+    """A llama_batch whose arrays are numpy buffers we own (filled by slicing)."""
+
+    def __init__(self, llama_cpp, capacity: int):
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)]
+        )
+        self.struct = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            embd=None,
+            pos=self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32))),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def fill(self, plan: StepPlan) -> list[tuple[int, int]]:
+        """Lay the plan out; returns (seq_id, batch row) for every row with logits."""
+        outputs = []
+        n = 0
+        for d in plan.decodes:
+            self.token[n], self.pos[n], self.seq[n], self.logits[n] = d.token_id, d.position, d.seq_id, 1
+            outputs.append((d.seq_id, n))
+            n += 1
+        for c in plan.prefills:
+            k = len(c.token_ids)
+            self.token[n : n + k] = c.token_ids
+            self.pos[n : n + k] = np.arange(c.start, c.start + k, dtype=np.int32)
+            self.seq[n : n + k] = c.seq_id
+            self.logits[n : n + k] = 0
+            if c.wants_logits:
+                self.logits[n + k - 1] = 1
+                outputs.append((c.seq_id, n + k - 1))
+            n += k
+        self.struct.n_tokens = n
+        return outputs
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+
+    def __init__(self, config: LlamaCppConfig):
+        path = check_gguf(config.model_path)
+        import llama_cpp
+        import llama_cpp._logger
+
+        llama_cpp._logger.set_verbose(config.verbose)
+        self._ll = ll = llama_cpp
+        self.config = config
+        self.n_threads = config.n_threads or default_threads()
+        ll.llama_backend_init()
+        mp = ll.llama_model_default_params()
+        # Extra buffer types repack weights for AMX on CPUs that have it; on this
+        # project's Xeon that path crashes any multi-token batch (seen with 0.3.36).
+        mp.use_extra_bufts = config.extra_buffers
+        self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load the model: {path}")
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = config.n_ctx
+        cp.n_batch = config.n_batch
+        cp.n_ubatch = config.n_batch  # one micro-batch per step: the step is what we time
+        cp.n_seq_max = config.n_seq_max
+        cp.n_threads = self.n_threads  # one-token sub-batches use n_threads ...
+        cp.n_threads_batch = self.n_threads  # ... any mixed batch uses n_threads_batch
+        cp.kv_unified = config.kv_unified
+        cp.no_perf = True
+        self._ctx = ll.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            ll.llama_model_free(self._model)
+            raise ModelLoadError(f"llama.cpp could not create a context for {path} (n_ctx={config.n_ctx})")
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        n_batch = ll.llama_n_batch(self._ctx)
+        self._batch = _Batch(ll, n_batch)
+        self.capabilities = Capabilities(
+            owned_loop=True,
+            multi_sequence=True,
+            per_step_chunking=True,
+            timing=TIMING_SYNC_WALL,
+            max_sequences=ll.llama_n_seq_max(self._ctx),
+            context_per_sequence=ll.llama_n_ctx_seq(self._ctx),
+            max_batch_tokens=n_batch,
+            vocab_size=self.n_vocab,
+        )
+        self._template = self._chat_template()
+
+    # -- stepping ----------------------------------------------------------
+    def step(self, plan: StepPlan) -> StepResult:
+        caps = self.capabilities
+        if plan.n_tokens > caps.max_batch_tokens:
+            # llama.cpp asserts (and kills the process) on an oversized batch: refuse first.
+            raise BackendError(f"step of {plan.n_tokens} tokens exceeds n_batch={caps.max_batch_tokens}")
+        for c in plan.prefills:
+            if c.end > caps.context_per_sequence:
+                raise BackendError(f"sequence {c.seq_id} would pass the context of {caps.context_per_sequence}")
+        for d in plan.decodes:
+            if d.position >= caps.context_per_sequence:
+                raise BackendError(f"sequence {d.seq_id} is at the end of its context")
+        outputs = self._batch.fill(plan)
+        t0 = time.perf_counter()
+        rc = self._ll.llama_decode(self._ctx, self._batch.struct)
+        t1 = time.perf_counter()
+        if rc != 0:
+            raise BackendError(f"llama_decode returned {rc}" + (" (KV cache full)" if rc == 1 else ""))
+        logits = {}
+        for seq_id, row in outputs:
+            ptr = self._ll.llama_get_logits_ith(self._ctx, row)
+            logits[seq_id] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return StepResult(logits=logits, duration_s=t1 - t0)
+
+    def free_sequence(self, seq_id: int) -> None:
+        self._ll.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+
+    # -- text --------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        size = len(data) + 16
+        buf = (self._ll.llama_token * size)()
+        n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, True)
+        if n < 0:
+            size = -n
+            buf = (self._ll.llama_token * size)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, True)
+        return list(buf[:n])
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.token_bytes(token_ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_ids: list[int], special: bool = False) -> bytes:
+        """Raw bytes (a streaming client may need to wait for a whole UTF-8 character)."""
+        out = bytearray()
+        buf = ctypes.create_string_buffer(256)
+        for t in token_ids:
+            n = self._ll.llama_token_to_piece(self._vocab, t, buf, 256, 0, special)
+            out += buf.raw[:n]
+        return bytes(out)
+
+    def is_eos(self, token_id: int) -> bool:
+        return bool(self._ll.llama_vocab_is_eog(self._vocab, token_id))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self._template is None:
+            raise BackendError("the model has no chat template in its GGUF metadata")
+        prompt = self._template(messages=messages).prompt
+        return self.tokenize(prompt, add_special=False)
+
+    def _chat_template(self):
+        raw = self._ll.llama_model_chat_template(self._model, None)
+        if not raw:
+            return None
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        bos = self.token_bytes([self._ll.llama_vocab_bos(self._vocab)], special=True).decode(errors="replace")
+        eos = self.token_bytes([self._ll.llama_vocab_eos(self._vocab)], special=True).decode(errors="replace")
+        return Jinja2ChatFormatter(raw.decode("utf-8"), eos_token=eos, bos_token=bos)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "model_path": str(Path(self.config.model_path).resolve()),
+            "n_ctx": self.config.n_ctx,
+            "n_seq_max": self.capabilities.max_sequences,
+            "n_batch": self.capabilities.max_batch_tokens,
+            "n_threads": self.n_threads,
+            "kv_unified": self.config.kv_unified,
+            "llama_cpp_python": getattr(self._ll, "__version__", "unknown"),
+        }
+
+    def close(self) -> None:
+        if self._ctx:
+            self._ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            self._ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def from_profile(
+    model_path: str | None, profile, n_threads: int | None = None, kv_unified: bool = False
+) -> LlamaCppBackend:
+    """The registry's factory: sizes come from the device profile."""
+    if model_path is None:
+        from dlfp.models import default_model_path
+
+        model_path = str(default_model_path())
+    return LlamaCppBackend(
+        LlamaCppConfig(
+            model_path=str(model_path),
+            n_ctx=profile.n_ctx,
+            n_seq_max=profile.n_seq_max,
+            n_batch=profile.n_batch,
+            n_threads=n_threads,
+            kv_unified=kv_unified,
+        )
+    )

@@ -1,0 +1,119 @@
+"""The backend protocol: what crosses from the engine to a runtime and back.
+
+A step is one synchronous iteration of the model over a mixed batch: one token for
+every decoding sequence plus zero or more prefill chunks. The backend returns the
+logits the plan asked for and how long the *completed* work took. The core never
+imports an adapter; an adapter imports only this module.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# How an adapter knows its step has finished on the device.
+TIMING_SYNC_WALL = "synchronous-wall"  # the call returns when the work is done (CPU)
+TIMING_OUTPUT_READY = "output-ready"  # copying the outputs to the host forces completion
+TIMING_DEVICE_EVENT = "device-event"  # device events/callbacks bracket the work
+
+
+class BackendError(Exception):
+    """A request-level failure the engine records in the trace (the run goes on)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    owned_loop: bool  # the engine drives each step (False: the runtime schedules itself)
+    multi_sequence: bool  # several sequences can share one step
+    per_step_chunking: bool  # the prompt tokens of each step can be chosen per step
+    timing: str  # one of the TIMING_* kinds
+    max_sequences: int  # sequences alive at once
+    context_per_sequence: int  # positions one sequence may occupy
+    max_batch_tokens: int  # tokens one step may carry (llama.cpp's n_batch)
+    vocab_size: int
+
+
+@dataclass
+class DecodeItem:
+    seq_id: int
+    token_id: int  # the last sampled token, fed back in
+    position: int
+
+
+@dataclass
+class PrefillChunk:
+    seq_id: int
+    token_ids: list[int]
+    start: int  # position of the first token of the chunk
+    wants_logits: bool  # the chunk ends the prompt: sample the first output token
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    decodes: list[DecodeItem] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def n_decode(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def n_prefill(self) -> int:
+        return sum(len(c.token_ids) for c in self.prefills)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_decode + self.n_prefill
+
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass
+class StepResult:
+    logits: dict[int, np.ndarray]  # seq_id -> next-token logits (float32, vocab)
+    duration_s: float  # completed work, as the adapter's timing kind measures it
+    device_duration_s: float | None = None  # a device-side figure where one exists (ETDump, events)
+
+
+class Backend(ABC):
+    """One runtime behind the engine. Methods are called from the engine thread only."""
+
+    name: str = "backend"
+    capabilities: Capabilities
+
+    @abstractmethod
+    def free_sequence(self, seq_id: int) -> None:
+        """Empty slot `seq_id` (0 <= seq_id < max_sequences) and its cache for reuse.
+
+        The scheduler owns slot numbering; a slot is always freed before it is reused.
+        """
+
+    @abstractmethod
+    def step(self, plan: StepPlan) -> StepResult:
+        """Run one iteration synchronously and return once the work has completed."""
+
+    @abstractmethod
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def is_eos(self, token_id: int) -> bool: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat prompt, rendered with the model's own template."""
+        raise BackendError(f"backend {self.name} has no chat template")
+
+    def describe(self) -> dict:
+        """What the trace records about this backend (model path, threads, versions)."""
+        return {"name": self.name}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,57 @@
+"""Device profiles: the controller's defaults per device class, kept out of code."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+from dlfp.controller import DLFPParams
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    description: str
+    itl_target_ms: float
+    initial: int
+    minimum: int
+    maximum: int
+    quantum: int
+    preemption_budget_ms: float  # 0: no budget
+    preemption_initial: int
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+
+    def dlfp_params(self, itl_target_ms: float | None = None) -> DLFPParams:
+        target = itl_target_ms if itl_target_ms is not None else self.itl_target_ms
+        return DLFPParams(target / 1e3, self.initial, self.minimum, self.maximum, self.quantum)
+
+    @property
+    def preemption_budget_s(self) -> float | None:
+        return self.preemption_budget_ms / 1e3 if self.preemption_budget_ms > 0 else None
+
+
+def available_profiles() -> list[str]:
+    folder = resources.files("dlfp.devices") / "profiles"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """A bundled profile by name (`cpu-laptop`) or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" and path.exists():
+        text = path.read_text()
+    else:
+        res = resources.files("dlfp.devices") / "profiles" / f"{name_or_path}.toml"
+        if not res.is_file():
+            raise ValueError(f"unknown device profile {name_or_path!r}; bundled: {', '.join(available_profiles())}")
+        text = res.read_text()
+    data = tomllib.loads(text)
+    known = {f.name for f in fields(DeviceProfile)}
+    unknown = set(data) - known
+    missing = known - set(data)
+    if unknown or missing:
+        raise ValueError(f"profile {name_or_path!r}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+    return DeviceProfile(**data)

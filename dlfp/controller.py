@@ -1,0 +1,168 @@
+"""Prefill-cap policies: how many prompt tokens may join a step that also decodes.
+
+Pure and clock-free: a policy is told what was observed and answers with a cap.
+The engine decides *what* it observes (completed step time or the scheduler-call
+interval); the policy records which source it was built for so traces say so.
+
+DLFP is equation (2) of the paper:
+
+    c_next = clamp(floor_q(c * T / L), c_min, c_max)
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+COMPLETION = "completion"  # completed device time of the step (what dlfp uses)
+CADENCE = "cadence"  # interval between scheduler calls (the paper's proxy; reproduction only)
+SOURCES = (COMPLETION, CADENCE)
+
+# Consecutive observations at the minimum cap that still miss the target before
+# the controller declares the target unreachable.
+UNREACHABLE_AFTER = 8
+
+
+class PrefillPolicy(ABC):
+    """Caps the prompt tokens of a step that overlaps an active decode ("guarded").
+
+    Contract: `cap()` is asked once per guarded step; `observe()` gets the latency
+    of each guarded step that ran; `reset()` is called when nothing decodes, so an
+    isolated prefill is never capped by the policy.
+    """
+
+    name: str = "policy"
+    source: str = COMPLETION
+
+    @abstractmethod
+    def cap(self) -> int | None:
+        """Prompt-token cap for the next guarded step; None means no cap."""
+
+    def observe(self, latency_s: float) -> None:
+        """Latency of a guarded step that has completed."""
+
+    def reset(self) -> None:
+        """Nothing decodes any more: forget the interference state."""
+
+    @property
+    def target_unreachable(self) -> bool:
+        return False
+
+    def describe(self) -> dict:
+        return {"name": self.name, "source": self.source}
+
+
+class Unbounded(PrefillPolicy):
+    """No cap: the whole pending prompt (up to the batch size) joins the step."""
+
+    name = "unbounded"
+
+    def cap(self) -> int | None:
+        return None
+
+
+class FixedCap(PrefillPolicy):
+    """A static cap: the classic fixed chunked-prefill baseline."""
+
+    def __init__(self, tokens: int):
+        if tokens < 1:
+            raise ValueError(f"fixed cap must be >= 1 token, got {tokens}")
+        self.tokens = tokens
+        self.name = f"fixed:{tokens}"
+
+    def cap(self) -> int | None:
+        return self.tokens
+
+    def describe(self) -> dict:
+        return {"name": self.name, "source": self.source, "tokens": self.tokens}
+
+
+@dataclass(frozen=True)
+class DLFPParams:
+    target_s: float
+    initial: int
+    minimum: int
+    maximum: int
+    quantum: int = 1
+
+    def __post_init__(self) -> None:
+        if self.target_s <= 0:
+            raise ValueError(f"target must be positive, got {self.target_s}")
+        if self.quantum < 1:
+            raise ValueError(f"quantum must be >= 1, got {self.quantum}")
+        if not 1 <= self.minimum <= self.initial <= self.maximum:
+            raise ValueError(
+                f"need 1 <= minimum <= initial <= maximum, got "
+                f"{self.minimum}, {self.initial}, {self.maximum}"
+            )
+
+
+def next_cap(cap: int, target_s: float, latency_s: float, p: DLFPParams) -> int:
+    """Equation (2): proportional resize, floored to the quantum, then clamped."""
+    if latency_s <= 0:
+        return cap  # a zero-length observation carries no information
+    scaled = cap * target_s / latency_s
+    # Round before flooring so 3072*80/57.51 style products are not lost to float noise.
+    floored = math.floor(round(scaled, 6) / p.quantum) * p.quantum
+    return max(p.minimum, min(p.maximum, floored))
+
+
+class DLFP(PrefillPolicy):
+    """Decode-Latency Feedback Prefill."""
+
+    def __init__(self, params: DLFPParams, source: str = COMPLETION):
+        if source not in SOURCES:
+            raise ValueError(f"unknown observation source {source!r}; one of {SOURCES}")
+        self.params = params
+        self.source = source
+        self.name = "dlfp" if source == COMPLETION else "dlfp-cadence"
+        self._cap = params.initial
+        self._misses_at_min = 0
+
+    def cap(self) -> int | None:
+        return self._cap
+
+    def observe(self, latency_s: float) -> None:
+        p = self.params
+        at_min = self._cap == p.minimum
+        self._cap = next_cap(self._cap, p.target_s, latency_s, p)
+        # A miss at the minimum means even the smallest chunk cannot meet the
+        # target (often: the decode alone is slower than the target).
+        self._misses_at_min = self._misses_at_min + 1 if at_min and latency_s > p.target_s else 0
+
+    def reset(self) -> None:
+        self._cap = self.params.initial
+        # Unreachability is a property of the device, not of one burst: keep the count.
+
+    @property
+    def target_unreachable(self) -> bool:
+        return self._misses_at_min >= UNREACHABLE_AFTER
+
+    def describe(self) -> dict:
+        p = self.params
+        return {
+            "name": self.name,
+            "source": self.source,
+            "target_ms": p.target_s * 1e3,
+            "initial": p.initial,
+            "minimum": p.minimum,
+            "maximum": p.maximum,
+            "quantum": p.quantum,
+        }
+
+
+def parse_policy(spec: str, defaults: DLFPParams) -> PrefillPolicy:
+    """`unbounded`, `fixed:N`, `dlfp`, `dlfp-cadence` -> a fresh policy."""
+    spec = spec.strip()
+    if spec == "unbounded":
+        return Unbounded()
+    if spec.startswith("fixed:"):
+        value = spec.split(":", 1)[1]
+        if not value.isdigit():
+            raise ValueError(f"fixed cap needs a positive integer: {spec!r}")
+        return FixedCap(int(value))
+    if spec == "dlfp":
+        return DLFP(defaults, COMPLETION)
+    if spec == "dlfp-cadence":
+        return DLFP(defaults, CADENCE)
+    raise ValueError(f"unknown policy {spec!r}: use unbounded, fixed:N, dlfp or dlfp-cadence")

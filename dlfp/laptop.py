@@ -1,0 +1,193 @@
+"""The laptop job: one chat session in the foreground, document ingestion behind it.
+
+Every policy runs the identical session (same prompts, same think times) on the
+same loaded model, one after another, after a foreground-only run that measures
+the decode-only ITL. Outputs are greedy, so every request's token ids must match
+across policies.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dlfp.backends.protocol import Backend
+from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
+from dlfp.devices.profiles import DeviceProfile
+from dlfp.engine import Engine, EngineConfig
+from dlfp.metrics import itls, percentile, ttft
+from dlfp.sequence import BACKGROUND, FOREGROUND, Request
+from dlfp.trace import RequestRecord, Trace
+from dlfp.workloads.laptop import ChatScript, Document, chat_messages, summary_messages
+
+DECODE_ONLY = "decode-only"
+
+
+@dataclass
+class LaptopSettings:
+    policies: list[str]
+    itl_target_ms: float
+    profile: DeviceProfile
+    script: ChatScript
+    docs: list[Document]
+    summary_tokens: int = 8  # a background summary is a few tokens: the job is the prefill
+    fg_start_s: float = 1.0  # the first message arrives while ingestion is under way
+    out: Path | None = None
+
+
+@dataclass
+class Session:
+    label: str
+    trace: Trace
+    start: float
+    end: float
+    records: list[RequestRecord] = field(default_factory=list)
+
+    def of(self, priority: str) -> list[RequestRecord]:
+        return [r for r in self.records if r.priority == priority]
+
+
+def engine_config(policy: PrefillPolicy, profile: DeviceProfile) -> EngineConfig:
+    # Unbounded is llama.cpp's server: whole prompts up to n_batch, no preemption budget.
+    budget = None if isinstance(policy, Unbounded) else profile.preemption_budget_s
+    return EngineConfig(preemption_budget_s=budget, preemption_initial=profile.preemption_initial)
+
+
+def run_session(
+    backend: Backend,
+    policy: PrefillPolicy,
+    settings: LaptopSettings,
+    label: str,
+    with_background: bool = True,
+    on_progress: Callable[[], None] | None = None,
+) -> Session:
+    engine = Engine(backend, policy, engine_config(policy, settings.profile)).start()
+    start = engine.clock()
+    bg = []
+    if with_background:
+        for doc in settings.docs:
+            ids = backend.apply_chat_template(summary_messages(doc))
+            req = Request(ids, settings.summary_tokens, BACKGROUND, request_id=f"bg-{doc.name}", tag=doc.name)
+            handle = engine.submit(req)
+            if on_progress:
+                threading.Thread(target=_notify_when_done, args=(handle, on_progress), daemon=True).start()
+            bg.append(handle)
+    time.sleep(settings.fg_start_s)
+    _chat(engine, backend, settings.script, on_progress)
+    for h in bg:
+        h.result()
+    end = engine.clock()
+    engine.shutdown(abort_pending=False)
+    return Session(label, engine.trace, start, end, list(engine.trace.requests))
+
+
+def _notify_when_done(handle, callback) -> None:
+    handle.result()
+    callback()
+
+
+def _chat(engine: Engine, backend: Backend, script: ChatScript, on_progress) -> None:
+    history: list[tuple[str, str]] = []
+    for i, user in enumerate(script.turns):
+        ids = backend.apply_chat_template(chat_messages(script, history, user))
+        handle = engine.submit(Request(ids, script.max_tokens, FOREGROUND, request_id=f"fg-turn-{i}", tag=f"turn {i}"))
+        reply = backend.detokenize(list(handle))
+        history.append((user, reply.strip()))
+        if on_progress:
+            on_progress()
+        if i + 1 < len(script.turns):
+            time.sleep(script.think_time_s)
+
+
+def session_summary(s: Session) -> dict:
+    fg, bg = s.of(FOREGROUND), s.of(BACKGROUND)
+    fg_itl = [g for r in fg if r.ok for g in itls(r)]
+    fg_ttft = [ttft(r) for r in fg if r.ok and r.token_times]
+    bg_steps = [st for st in s.trace.steps if st.n_prefill_bg]
+    bg_tokens = sum(st.n_prefill_bg for st in bg_steps)
+    bg_span = (bg_steps[-1].t1 - s.start) if bg_steps else 0.0
+    return {
+        "fg_itl_p50_ms": _ms(percentile(fg_itl, 50)),
+        "fg_itl_p99_ms": _ms(percentile(fg_itl, 99)),
+        "fg_itl_max_ms": _ms(max(fg_itl) if fg_itl else None),
+        "fg_ttft_p50_ms": _ms(percentile(fg_ttft, 50)),
+        "fg_ttft_p99_ms": _ms(percentile(fg_ttft, 99)),
+        "bg_prefill_tokens": bg_tokens,
+        "bg_prefill_tokens_per_s": bg_tokens / bg_span if bg_span > 0 else None,
+        "bg_docs_done": sum(1 for r in bg if r.ok),
+        "fg_turns_done": sum(1 for r in fg if r.ok),
+        "requests_failed": sum(1 for r in s.records if not r.ok),
+        "wall_s": s.end - s.start,
+        "time_split_s": time_split(s),
+        "notes": list(s.trace.notes),
+    }
+
+
+def time_split(s: Session) -> dict:
+    """Where the wall time went: guarded steps, budgeted background chunks, the rest."""
+    split = {"fg_decode_steps": 0.0, "bg_alone_steps": 0.0, "fg_prefill_alone_steps": 0.0, "other_steps": 0.0}
+    for st in s.trace.steps:
+        if st.guarded:
+            split["fg_decode_steps"] += st.duration_s
+        elif st.n_prefill_fg:
+            split["fg_prefill_alone_steps"] += st.duration_s
+        elif st.n_prefill_bg:
+            split["bg_alone_steps"] += st.duration_s
+        else:
+            split["other_steps"] += st.duration_s
+    split["idle_and_overhead"] = (s.end - s.start) - sum(split.values())
+    bg_in_guarded = sum(st.n_prefill_bg for st in s.trace.steps if st.guarded)
+    split["bg_tokens_beside_fg_decode"] = bg_in_guarded
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in split.items()}
+
+
+def outputs_match(sessions: list[Session]) -> tuple[bool, list[str]]:
+    """Every request (by id) produced the same token ids in every session that ran it."""
+    seen: dict[str, list[int]] = {}
+    mismatches = []
+    for s in sessions:
+        for r in s.records:
+            if r.request_id in seen and seen[r.request_id] != r.output_ids:
+                mismatches.append(f"{r.request_id} differs in {s.label}")
+            seen.setdefault(r.request_id, r.output_ids)
+    return not mismatches, mismatches
+
+
+def run_laptop(backend: Backend, settings: LaptopSettings, on_progress=None, on_session=None) -> dict:
+    sessions = []
+    params = settings.profile.dlfp_params(settings.itl_target_ms)
+    runs = [(DECODE_ONLY, "dlfp", False)] + [(p, p, True) for p in settings.policies]
+    for label, spec, with_bg in runs:
+        if on_session:
+            on_session(label)
+        sessions.append(run_session(backend, parse_policy(spec, params), settings, label, with_bg, on_progress))
+    decode_only, policy_sessions = sessions[0], sessions[1:]
+    match, mismatches = outputs_match(sessions)
+    summary = {
+        "model": backend.describe().get("model_path"),
+        "backend": backend.describe(),
+        "profile": settings.profile.name,
+        "itl_target_ms": settings.itl_target_ms,
+        "controller": params.__dict__ | {"target_s": params.target_s},
+        "decode_only_itl_ms": _ms(percentile([g for r in decode_only.records for g in itls(r)], 50)),
+        "exact_output_match": match,
+        "mismatches": mismatches,
+        "policies": {s.label: session_summary(s) for s in policy_sessions},
+    }
+    if settings.out is not None:
+        write_outputs(settings.out, summary, sessions)
+    return summary
+
+
+def write_outputs(out: Path, summary: dict, sessions: list[Session]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for s in sessions:
+        s.trace.write(out, s.label.replace(":", "-"))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 2)

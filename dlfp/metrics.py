@@ -1,0 +1,94 @@
+"""Request latency metrics, with the definitions of `vllm bench serve`.
+
+TTFT = first token - arrival; ITL = every gap between consecutive tokens of a
+request; TPOT = (E2EL - TTFT) / (n_out - 1); E2EL = last token - arrival.
+Percentiles use numpy's linear interpolation, as vLLM's benchmark does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlfp.trace import RequestRecord, StepRecord
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float | None = None
+    mean_itl_s: float | None = None
+    e2el_s: float | None = None
+
+    def met(self, r: RequestRecord) -> bool:
+        if not r.ok or not r.token_times:
+            return False
+        if self.ttft_s is not None and ttft(r) > self.ttft_s:
+            return False
+        gaps = itls(r)
+        if self.mean_itl_s is not None and gaps and float(np.mean(gaps)) > self.mean_itl_s:
+            return False
+        return self.e2el_s is None or e2el(r) <= self.e2el_s
+
+
+def ttft(r: RequestRecord) -> float:
+    return r.token_times[0] - r.arrival_s
+
+
+def e2el(r: RequestRecord) -> float:
+    return r.token_times[-1] - r.arrival_s
+
+
+def itls(r: RequestRecord) -> list[float]:
+    t = r.token_times
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+def tpot(r: RequestRecord) -> float | None:
+    n = len(r.token_times)
+    return (e2el(r) - ttft(r)) / (n - 1) if n > 1 else None
+
+
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolated percentile; None for an empty sample (never a made-up 0)."""
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def summarize(values, prefix: str, scale: float = 1e3) -> dict:
+    """mean and P50/P90/P99 of `values` (seconds) in milliseconds under `prefix`."""
+    out = {f"{prefix}_mean_ms": float(np.mean(values)) * scale if len(values) else None}
+    for q in PERCENTILES:
+        p = percentile(values, q)
+        out[f"{prefix}_p{q}_ms"] = p * scale if p is not None else None
+    return out
+
+
+def request_metrics(records: list[RequestRecord], slo: SLO | None = None) -> dict:
+    """TTFT, ITL, TPOT, E2EL summaries, counts and SLO goodput for a set of requests."""
+    done = [r for r in records if r.ok and r.token_times]
+    out: dict = {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": sum(1 for r in records if not r.ok),
+        "prompt_tokens": sum(r.prompt_len for r in done),
+        "output_tokens": sum(len(r.output_ids) for r in done),
+    }
+    out.update(summarize([ttft(r) for r in done], "ttft"))
+    out.update(summarize([g for r in done for g in itls(r)], "itl"))
+    out.update(summarize([x for r in done if (x := tpot(r)) is not None], "tpot"))
+    out.update(summarize([e2el(r) for r in done], "e2el"))
+    if slo is not None:
+        out["slo_met"] = sum(1 for r in done if slo.met(r))
+        out["goodput_fraction"] = out["slo_met"] / len(records) if records else None
+    return out
+
+
+def prefill_tokens_per_s(steps: list[StepRecord], priority: str, start: float, end: float) -> float | None:
+    """Prompt tokens of one class processed per second over [start, end]."""
+    if end <= start:
+        return None
+    key = "n_prefill_bg" if priority == "background" else "n_prefill_fg"
+    return sum(getattr(s, key) for s in steps if start <= s.t1 <= end) / (end - start)

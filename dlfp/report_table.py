@@ -1,0 +1,40 @@
+"""Terminal tables for run summaries."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.1f}"
+    return str(x)
+
+
+def laptop_table(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    pol = summary["policies"]
+    table = Table(title=f"laptop job: ITL target {summary['itl_target_ms']:.0f} ms, "
+                        f"decode-only ITL {_fmt(summary['decode_only_itl_ms'])} ms")
+    table.add_column("metric")
+    for name in pol:
+        table.add_column(name, justify="right")
+    rows = [
+        ("fg ITL P50 (ms)", "fg_itl_p50_ms"),
+        ("fg ITL P99 (ms)", "fg_itl_p99_ms"),
+        ("fg ITL max (ms)", "fg_itl_max_ms"),
+        ("fg TTFT P99 (ms)", "fg_ttft_p99_ms"),
+        ("bg prefill tok/s", "bg_prefill_tokens_per_s"),
+        ("bg docs done", "bg_docs_done"),
+        ("requests failed", "requests_failed"),
+        ("wall (s)", "wall_s"),
+    ]
+    for label, key in rows:
+        table.add_row(label, *[_fmt(p[key]) for p in pol.values()])
+    console.print(table)
+    console.print(f"exact output match: {summary['exact_output_match']}")
+    for name, p in pol.items():
+        for note in p["notes"]:
+            console.print(f"[yellow]{name}: {note}[/yellow]")

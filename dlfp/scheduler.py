@@ -1,0 +1,141 @@
+"""Foreground/background step planning.
+
+Each step, in order:
+1. decode: every decoding sequence gets its next token (all classes);
+2. prefill: foreground prompts before background prompts, FIFO within a class.
+
+How many prompt tokens join:
+- guarded step (a protected sequence decodes): at most the policy's cap, shared by
+  all prompts of the step;
+- foreground prompt with no protected decode beside it: full batches;
+- background prompt with no protected decode beside it: at most the preemption
+  budget's token count, so a foreground message that arrives meanwhile waits at
+  most about one budget (None: no budget, as llama.cpp's server does). Background
+  prompts wait while a foreground prompt is loading.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dlfp.backends.protocol import Capabilities, DecodeItem, PrefillChunk, StepPlan
+from dlfp.sequence import BACKGROUND, FOREGROUND, Sequence, Status
+
+
+@dataclass
+class PlannedStep:
+    plan: StepPlan
+    guarded: bool  # a protected sequence decodes in this step
+    cap: int | None  # the cap in force (guarded steps only)
+    bg_cap: int | None  # the preemption-budget cap in force (isolated background prefill)
+    n_prefill_fg: int
+    n_prefill_bg: int
+
+    @property
+    def capped(self) -> bool:
+        """The policy's cap governed this step's prefill: the step the controller observes."""
+        return self.guarded and self.plan.n_prefill > 0
+
+    @property
+    def budgeted(self) -> bool:
+        """The preemption budget governed this step: isolated background prefill."""
+        return not self.guarded and self.n_prefill_bg > 0 and self.bg_cap is not None
+
+
+class Scheduler:
+    def __init__(self, caps: Capabilities, protect: tuple[str, ...] = (FOREGROUND,)):
+        self.caps = caps
+        self.protect = protect  # classes whose decodes the cap guards
+        self.waiting: dict[str, deque[Sequence]] = {FOREGROUND: deque(), BACKGROUND: deque()}
+        self.running: list[Sequence] = []  # holds a slot, in admission order
+        self.free_slots: deque[int] = deque(range(caps.max_sequences))
+        self._turn = 0  # time-slicing position for single-sequence backends
+
+    # -- queue -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting[seq.priority].append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting[FOREGROUND] or self.waiting[BACKGROUND])
+
+    def admit(self) -> list[Sequence]:
+        """Give free slots to waiting sequences, foreground first."""
+        admitted = []
+        for cls in (FOREGROUND, BACKGROUND):
+            while self.free_slots and self.waiting[cls]:
+                seq = self.waiting[cls].popleft()
+                seq.slot = self.free_slots.popleft()
+                seq.status = Status.PREFILLING
+                self.running.append(seq)
+                admitted.append(seq)
+        return admitted
+
+    def release(self, seq: Sequence) -> None:
+        """Take a finished sequence out; its slot goes back to the pool."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+        else:
+            self.waiting[seq.priority] = deque(s for s in self.waiting[seq.priority] if s is not seq)
+
+    def decoding(self) -> list[Sequence]:
+        return [s for s in self.running if s.status == Status.DECODING]
+
+    def guarded(self) -> bool:
+        return any(s.priority in self.protect for s in self.decoding())
+
+    # -- planning ----------------------------------------------------------
+    def plan(self, cap: int | None, bg_cap: int | None) -> PlannedStep:
+        decoding = self.decoding()
+        prefilling = self._prefill_order()
+        guarded = any(s.priority in self.protect for s in decoding)
+        if not self.caps.multi_sequence:
+            decoding, prefilling = self._time_slice(decoding, prefilling)
+
+        plan = StepPlan(
+            decodes=[DecodeItem(s.slot, s.output_ids[-1], s.next_position) for s in decoding]
+        )
+        room = self.caps.max_batch_tokens - plan.n_decode
+        if guarded and cap is not None:
+            room = min(room, cap)
+        fg_loading = any(s.priority == FOREGROUND for s in prefilling)
+        counts = {FOREGROUND: 0, BACKGROUND: 0}
+        for seq in prefilling:
+            limit = room
+            if seq.priority == BACKGROUND and not guarded:
+                if fg_loading:
+                    break  # the foreground prompt gets the whole device
+                if bg_cap is not None:
+                    limit = min(limit, bg_cap - counts[BACKGROUND])
+            n = min(seq.remaining_prompt, limit)
+            if n <= 0:
+                break
+            start = seq.n_prefilled
+            ids = seq.request.prompt_ids[start : start + n]
+            plan.prefills.append(PrefillChunk(seq.slot, ids, start, start + n == seq.prompt_len))
+            counts[seq.priority] += n
+            room -= n
+        return PlannedStep(
+            plan=plan,
+            guarded=guarded,
+            cap=cap if guarded else None,
+            bg_cap=bg_cap,
+            n_prefill_fg=counts[FOREGROUND],
+            n_prefill_bg=counts[BACKGROUND],
+        )
+
+    def _prefill_order(self) -> list[Sequence]:
+        loading = [s for s in self.running if s.status == Status.PREFILLING]
+        return sorted(loading, key=lambda s: s.priority != FOREGROUND)  # stable: FIFO within class
+
+    def _time_slice(self, decoding: list[Sequence], prefilling: list[Sequence]):
+        """One sequence per step for backends that cannot batch sequences.
+
+        Decode steps and prefill chunks alternate, so a prompt still advances (under
+        the cap, since the step stays guarded) while others decode; decoders take
+        turns.
+        """
+        self._turn += 1
+        if decoding and (not prefilling or self._turn % 2):
+            return [decoding[(self._turn // 2) % len(decoding)]], []
+        return [], prefilling[:1]

@@ -1,0 +1,124 @@
+"""What a run leaves behind: one record per step and one per request, as JSONL.
+
+Times are seconds on the engine's monotonic clock (`time.perf_counter`); files
+store them relative to the trace origin so runs can be compared.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class StepRecord:
+    t0: float
+    t1: float
+    duration_s: float  # completed step time as the backend measured it
+    n_decode: int
+    n_prefill_fg: int
+    n_prefill_bg: int
+    guarded: bool
+    cap: int | None
+    bg_cap: int | None
+    observed_s: float | None = None  # what the policy was fed after this step (None: nothing)
+    unreachable: bool = False
+    device_duration_s: float | None = None
+    governor: str | None = None  # thermal governor decision, when one runs
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    priority: str
+    tag: str
+    arrival_s: float
+    prompt_len: int
+    output_ids: list[int]
+    token_times: list[float]
+    finish_reason: str | None
+    error: str | None
+    finished_s: float | None
+    n_prefill_chunks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Trace:
+    origin: float
+    steps: list[StepRecord] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)  # probe readings
+    notes: list[str] = field(default_factory=list)  # e.g. "target unreachable"
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_step(self, rec: StepRecord) -> None:
+        with self._lock:
+            self.steps.append(rec)
+
+    def add_request(self, rec: RequestRecord) -> None:
+        with self._lock:
+            self.requests.append(rec)
+
+    def add_sample(self, sample: dict) -> None:
+        with self._lock:
+            self.samples.append(sample)
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            if text not in self.notes:
+                self.notes.append(text)
+
+    def write(self, directory: Path, suffix: str) -> dict[str, Path]:
+        """Write steps-, requests- (and samples-) JSONL files; returns their paths."""
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = {
+            "steps": directory / f"steps-{suffix}.jsonl",
+            "requests": directory / f"requests-{suffix}.jsonl",
+        }
+        o = self.origin
+        with self._lock:
+            _write_jsonl(paths["steps"], (_shift(asdict(s), o, ("t0", "t1")) for s in self.steps))
+            _write_jsonl(
+                paths["requests"],
+                (_shift_request(asdict(r), o) for r in self.requests),
+            )
+            if self.samples:
+                paths["samples"] = directory / f"samples-{suffix}.jsonl"
+                _write_jsonl(paths["samples"], (_shift(dict(s), o, ("t",)) for s in self.samples))
+        return paths
+
+
+def _shift(d: dict, origin: float, keys: tuple[str, ...]) -> dict:
+    for k in keys:
+        if d.get(k) is not None:
+            d[k] = d[k] - origin
+    return d
+
+
+def _shift_request(d: dict, origin: float) -> dict:
+    _shift(d, origin, ("arrival_s", "finished_s"))
+    d["token_times"] = [t - origin for t in d["token_times"]]
+    return d
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_requests(path: Path) -> list[RequestRecord]:
+    fields = RequestRecord.__dataclass_fields__
+    with open(path) as f:
+        return [RequestRecord(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f]
+
+
+def read_steps(path: Path) -> list[StepRecord]:
+    fields = StepRecord.__dataclass_fields__
+    with open(path) as f:
+        return [StepRecord(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f]

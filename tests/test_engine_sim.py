@@ -1,0 +1,115 @@
+"""The engine loop against the SIMULATED backend (a latency model, not a device)."""
+import pytest
+
+from dlfp.backends.sim import SimBackend, SimCost, VirtualClock
+from dlfp.controller import DLFP, DLFPParams, FixedCap, Unbounded
+from dlfp.engine import Engine, EngineConfig, InvalidRequest
+from dlfp.metrics import itls
+from dlfp.sequence import BACKGROUND, FOREGROUND, Request, SamplingParams
+
+PARAMS = DLFPParams(0.1, 8, 2, 256, 2)
+
+
+def run(policy, budget=0.5, n_bg=3, multi=True):
+    clock = VirtualClock()
+    backend = SimBackend(SimCost(), clock=clock, multi_sequence=multi)
+    engine = Engine(backend, policy, EngineConfig(preemption_budget_s=budget), clock=clock.now).start()
+    handles = [engine.submit(Request(list(range(1, 401)), 4, BACKGROUND, request_id=f"bg{i}")) for i in range(n_bg)]
+    handles.append(engine.submit(Request(list(range(3, 40)), 40, FOREGROUND, ignore_eos=True, request_id="fg")))
+    records = {h.request_id: h.result(timeout=60) for h in handles}
+    engine.shutdown(abort_pending=False)
+    return engine, records
+
+
+def test_outputs_identical_across_policies_and_nothing_lost():
+    outs = []
+    for policy in (Unbounded(), FixedCap(16), DLFP(PARAMS)):
+        engine, records = run(policy, budget=None if isinstance(policy, Unbounded) else 0.5)
+        assert all(r.ok for r in records.values())
+        assert len(engine.trace.requests) == 4
+        assert len(records["fg"].output_ids) == 40
+        outs.append({k: r.output_ids for k, r in records.items()})
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_dlfp_holds_foreground_itl_near_target():
+    _, unb = run(Unbounded(), budget=None)
+    engine, dl = run(DLFP(PARAMS))
+    worst_unbounded = max(itls(unb["fg"]))
+    worst_dlfp = max(itls(dl["fg"]))
+    assert worst_dlfp < worst_unbounded
+    capped = [s for s in engine.trace.steps if s.guarded and (s.n_prefill_bg or s.n_prefill_fg)]
+    assert capped and all(s.n_prefill_bg + s.n_prefill_fg <= s.cap for s in capped)
+    # After the first adjustments, capped steps stay within 1.25x of the target.
+    assert all(s.duration_s <= 0.125 for s in capped[3:])
+
+
+def test_preemption_budget_bounds_isolated_background_steps():
+    engine, _ = run(DLFP(PARAMS), budget=0.2)
+    alone = [s for s in engine.trace.steps if not s.guarded and s.n_prefill_bg]
+    assert alone
+    assert max(s.duration_s for s in alone[3:]) <= 0.2 * 1.25
+
+
+def test_invalid_requests_are_refused_and_recorded():
+    clock = VirtualClock()
+    engine = Engine(SimBackend(clock=clock, context=64), Unbounded(), clock=clock.now).start()
+    bad = [
+        Request([1, 2, 3], -1),
+        Request([1, 2, 3], 0),
+        Request(list(range(100)), 4),  # longer than the context
+        Request([1, 5000], 4),  # outside the vocabulary
+        Request([], 4),
+        Request([1], 4, priority="urgent"),
+    ]
+    for r in bad:
+        with pytest.raises(InvalidRequest):
+            engine.submit(r)
+    ok = engine.submit(Request([1, 2, 3], 3, ignore_eos=True))
+    assert len(ok.result(timeout=10).output_ids) == 3
+    engine.shutdown()
+    errors = [r for r in engine.trace.requests if r.error]
+    assert len(errors) == len(bad)
+
+
+def test_abort_frees_the_slot():
+    clock = VirtualClock()
+    backend = SimBackend(clock=clock, max_sequences=1)
+    engine = Engine(backend, Unbounded(), clock=clock.now).start()
+    long = engine.submit(Request([1, 2, 3], 100000 // 50, ignore_eos=True))
+    next(iter(long))
+    long.cancel()
+    assert long.result(timeout=10).finish_reason == "abort"
+    short = engine.submit(Request([4, 5], 2, ignore_eos=True))
+    assert short.result(timeout=10).finish_reason == "length"
+    engine.shutdown()
+
+
+def test_eos_stops_unless_ignored():
+    clock = VirtualClock()
+    backend = SimBackend(clock=clock)
+    engine = Engine(backend, Unbounded(), clock=clock.now).start()
+    first = engine.submit(Request([7, 8, 9], 30, ignore_eos=True)).result(timeout=10).output_ids
+    engine.shutdown()
+    backend.eos_id = first[2]
+    engine = Engine(backend, Unbounded(), clock=clock.now).start()
+    stopped = engine.submit(Request([7, 8, 9], 30)).result(timeout=10)
+    engine.shutdown()
+    assert stopped.finish_reason == "stop" and stopped.output_ids == first[:3]
+
+
+def test_time_sliced_backend_completes_everything():
+    engine, records = run(DLFP(PARAMS), multi=False)
+    assert all(r.ok for r in records.values())
+    for s in engine.trace.steps:
+        assert s.n_decode + (1 if (s.n_prefill_bg or s.n_prefill_fg) else 0) <= 1
+
+
+def test_sampling_with_temperature_is_seeded():
+    clock = VirtualClock()
+    engine = Engine(SimBackend(clock=clock), Unbounded(), clock=clock.now).start()
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    a = engine.submit(Request([1, 2], 5, sampling=sp, ignore_eos=True)).result(timeout=10).output_ids
+    b = engine.submit(Request([1, 2], 5, sampling=sp, ignore_eos=True)).result(timeout=10).output_ids
+    engine.shutdown()
+    assert a == b

@@ -1,0 +1,113 @@
+from dlfp.backends.protocol import TIMING_SYNC_WALL, Capabilities
+from dlfp.scheduler import Scheduler
+from dlfp.sequence import BACKGROUND, FOREGROUND, Request, Sequence, Status
+
+
+def caps(multi=True, n_batch=64, slots=4):
+    return Capabilities(True, multi, True, TIMING_SYNC_WALL, slots, 1024, n_batch, 100)
+
+
+def seq(n_prompt, priority=FOREGROUND, decoding=False):
+    s = Sequence(Request(list(range(1, n_prompt + 1)), 8, priority), arrival_s=0.0)
+    if decoding:
+        s.n_prefilled = n_prompt
+        s.output_ids = [5]
+    return s
+
+
+def admitted(sched, *seqs):
+    for s in seqs:
+        sched.add(s)
+    sched.admit()
+    for s in seqs:
+        if s.output_ids:
+            s.status = Status.DECODING
+    return seqs
+
+
+def test_every_decode_joins_and_cap_is_shared_by_all_prompts():
+    sched = Scheduler(caps())
+    fg_dec, bg_dec, bg1, bg2 = admitted(
+        sched, seq(10, decoding=True), seq(10, BACKGROUND, decoding=True), seq(50, BACKGROUND), seq(50, BACKGROUND)
+    )
+    step = sched.plan(cap=12, bg_cap=None)
+    assert step.guarded and step.capped
+    assert {d.seq_id for d in step.plan.decodes} == {fg_dec.slot, bg_dec.slot}
+    assert step.plan.n_prefill == 12  # two long prompts do not each take the cap
+    assert [c.seq_id for c in step.plan.prefills] == [bg1.slot]
+
+
+def test_foreground_prompt_goes_before_background():
+    sched = Scheduler(caps())
+    _, bg, fg = admitted(sched, seq(10, decoding=True), seq(40, BACKGROUND), seq(40, FOREGROUND))
+    step = sched.plan(cap=50, bg_cap=None)
+    assert [c.seq_id for c in step.plan.prefills] == [fg.slot, bg.slot]
+    assert step.n_prefill_fg == 40 and step.n_prefill_bg == 10
+
+
+def test_isolated_foreground_prefill_is_not_capped():
+    sched = Scheduler(caps(n_batch=64))
+    (fg,) = admitted(sched, seq(200))
+    step = sched.plan(cap=None, bg_cap=8)
+    assert not step.guarded
+    assert step.plan.n_prefill == 64  # a full batch
+    assert not step.plan.prefills[0].wants_logits
+
+
+def test_isolated_background_prefill_uses_preemption_budget():
+    sched = Scheduler(caps(n_batch=64))
+    admitted(sched, seq(200, BACKGROUND))
+    step = sched.plan(cap=None, bg_cap=20)
+    assert step.plan.n_prefill == 20 and step.budgeted
+    assert sched.plan(cap=None, bg_cap=None).plan.n_prefill == 64  # unbounded: whole batch
+
+
+def test_background_waits_while_foreground_prompt_loads():
+    sched = Scheduler(caps(n_batch=64))
+    admitted(sched, seq(30, BACKGROUND), seq(20, FOREGROUND))
+    step = sched.plan(cap=None, bg_cap=32)
+    assert step.n_prefill_fg == 20 and step.n_prefill_bg == 0
+
+
+def test_background_decode_does_not_guard():
+    sched = Scheduler(caps(n_batch=64))
+    admitted(sched, seq(10, BACKGROUND, decoding=True), seq(100, FOREGROUND))
+    step = sched.plan(cap=4, bg_cap=8)
+    assert not step.guarded
+    assert step.n_prefill_fg == 63  # full batch less the background decode token
+
+
+def test_last_chunk_wants_logits_and_batch_never_overflows():
+    sched = Scheduler(caps(n_batch=16))
+    (s,) = admitted(sched, seq(20))
+    first = sched.plan(None, None).plan
+    assert first.n_tokens == 16 and not first.prefills[0].wants_logits
+    s.n_prefilled = 16
+    second = sched.plan(None, None).plan
+    assert second.prefills[0].token_ids == [17, 18, 19, 20] and second.prefills[0].wants_logits
+
+
+def test_admission_respects_slots_and_priority():
+    sched = Scheduler(caps(slots=2))
+    b1, b2, f1 = seq(5, BACKGROUND), seq(5, BACKGROUND), seq(5)
+    for s in (b1, b2, f1):
+        sched.add(s)
+    got = sched.admit()
+    assert got == [f1, b1] and b2.status == Status.WAITING
+    sched.release(f1)
+    assert sched.admit() == [b2]
+    assert b2.slot == f1.slot
+
+
+def test_time_slicing_for_single_sequence_backends():
+    sched = Scheduler(caps(multi=False))
+    dec, pre = admitted(sched, seq(10, decoding=True), seq(50, BACKGROUND))
+    kinds = []
+    for _ in range(4):
+        step = sched.plan(cap=6, bg_cap=None)
+        seqs = {d.seq_id for d in step.plan.decodes} | {c.seq_id for c in step.plan.prefills}
+        assert len(seqs) == 1
+        assert step.guarded  # a prefill step still counts as overlapping the decode
+        kinds.append("d" if step.plan.decodes else "p")
+        assert step.plan.n_prefill <= 6
+    assert set(kinds) == {"d", "p"}
