@@ -1,0 +1,1 @@
+"""`dlfp bench`: paired trials of prefill policies on exact-token workloads."""
