@@ -92,6 +92,18 @@ class EngineConfig:
     seed: int = 0
     idle_wait_s: float = 0.05
 
+    @classmethod
+    def for_policy(cls, policy: PrefillPolicy, profile) -> "EngineConfig":
+        """Engine settings for `policy` on a device profile.
+
+        Unbounded stands for llama.cpp's server: whole prompts up to the batch size
+        and no preemption budget either; every other policy gets the profile's budget.
+        """
+        from dlfp.controller import Unbounded
+
+        budget = None if isinstance(policy, Unbounded) else profile.preemption_budget_s
+        return cls(preemption_budget_s=budget, preemption_initial=profile.preemption_initial)
+
 
 class Engine:
     def __init__(

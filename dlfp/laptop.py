@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from dlfp.backends.protocol import Backend
-from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
+from dlfp.controller import PrefillPolicy, parse_policy
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine, EngineConfig
 from dlfp.metrics import itls, percentile, ttft
@@ -50,12 +50,6 @@ class Session:
         return [r for r in self.records if r.priority == priority]
 
 
-def engine_config(policy: PrefillPolicy, profile: DeviceProfile) -> EngineConfig:
-    # Unbounded is llama.cpp's server: whole prompts up to n_batch, no preemption budget.
-    budget = None if isinstance(policy, Unbounded) else profile.preemption_budget_s
-    return EngineConfig(preemption_budget_s=budget, preemption_initial=profile.preemption_initial)
-
-
 def run_session(
     backend: Backend,
     policy: PrefillPolicy,
@@ -64,7 +58,7 @@ def run_session(
     with_background: bool = True,
     on_progress: Callable[[], None] | None = None,
 ) -> Session:
-    engine = Engine(backend, policy, engine_config(policy, settings.profile)).start()
+    engine = Engine(backend, policy, EngineConfig.for_policy(policy, settings.profile)).start()
     start = engine.clock()
     bg = []
     if with_background:

@@ -11,7 +11,7 @@ import importlib
 from typing import Protocol
 
 from dlfp.backends.protocol import Backend
-from dlfp.controller import Unbounded, parse_policy
+from dlfp.controller import parse_policy
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import Request
@@ -52,9 +52,7 @@ class EngineTarget:
 
     def open(self, policy: str) -> None:
         pol = parse_policy(policy, self.params)
-        budget = None if isinstance(pol, Unbounded) else self.profile.preemption_budget_s
-        config = EngineConfig(preemption_budget_s=budget, preemption_initial=self.profile.preemption_initial)
-        self.engine = Engine(self.backend, pol, config).start()
+        self.engine = Engine(self.backend, pol, EngineConfig.for_policy(pol, self.profile)).start()
 
     def submit(self, request: Request):
         assert self.engine is not None, "open() first"
