@@ -1,0 +1,100 @@
+"""Build a tiny random-weight model folder for the mlc step-mode adapter.
+
+    python -m dlfp.backends.mlc.build_tiny OUT [--seed 0] [--layers 2] [--hidden 64]
+
+Compiles `tiny_model.TinyLlama` with apache-tvm for the CPU (LLVM), draws its
+weights from N(0, 1/fan_in) (std 0.02 makes greedy decoding repeat one token),
+and writes the folder described in `model_dir`. Takes seconds on two cores.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from dlfp.backends.mlc.model_dir import FORMAT, ModelFolder
+from dlfp.backends.mlc.tokenizer import ByteTokenizer
+
+LIB_NAME = "model.so"
+PARAMS_NAME = "params.bin"
+
+
+def random_weights(named_shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in named_shapes:
+        if name.endswith("norm.weight"):
+            out[name] = np.ones(shape, dtype=np.float32)
+        elif name.startswith("embed_tokens"):
+            out[name] = rng.standard_normal(shape, dtype=np.float32)  # rows feed an RMSNorm: unit scale
+        else:
+            out[name] = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+    return out
+
+
+def build_tiny(out: str | Path, seed: int = 0, **overrides) -> ModelFolder:
+    """Compile the tiny model and write its folder to `out`; returns the opened folder."""
+    import tvm
+    from tvm.target import Target
+
+    from dlfp.backends.mlc.tiny_model import TinyConfig, TinyLlama
+
+    tok = ByteTokenizer.chatml_config()
+    cfg = replace(TinyConfig(), **overrides)
+    if cfg.vocab_size < ByteTokenizer.from_config(tok).size:
+        raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the byte tokenizer's vocabulary")
+    target = Target("llvm")
+    model = TinyLlama(cfg, target)
+    mod, params = model.export_tvm(spec=model.spec())
+    with target:
+        executable = tvm.compile(mod, target)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    executable.export_library(str(out / LIB_NAME))
+    shapes = [(name, tuple(int(d) for d in p.shape)) for name, p in params]
+    weights = random_weights(shapes, seed)
+    tvm.runtime.save_param_dict_to_file({k: tvm.runtime.tensor(v) for k, v in weights.items()}, str(out / PARAMS_NAME))
+    folder = ModelFolder(out, {
+        "format": FORMAT,
+        "model_lib": LIB_NAME,
+        "params": PARAMS_NAME,
+        "param_names": [name for name, _ in params],
+        "target": "llvm",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "context_window_size": cfg.context_window_size,
+        "tokenizer": tok,
+        "model": {"architecture": "tiny-llama", **cfg.to_dict()},
+        "weights": f"random N(0, 1/fan_in), seed {seed}: a test model, its text is noise",
+        "built_with": {"apache_tvm": tvm.__version__},
+    })
+    folder.write()
+    return ModelFolder.open(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dlfp.backends.mlc.build_tiny", description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="folder to write")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 2)")
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 64)")
+    args = ap.parse_args(argv)
+    overrides = {}
+    if args.layers is not None:
+        overrides["num_hidden_layers"] = args.layers
+    if args.hidden is not None:
+        overrides["hidden_size"] = args.hidden
+    try:
+        folder = build_tiny(args.out, args.seed, **overrides)
+    except (ValueError, OSError) as exc:
+        print(f"build_tiny: {exc}", file=sys.stderr)
+        return 2
+    print(folder.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

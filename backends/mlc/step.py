@@ -1,0 +1,251 @@
+"""Step mode: dlfp owns the loop over an MLC-style compiled model's functions.
+
+MLC-LLM's engine picks its prefill chunk once at load. One layer down, the
+compiled model exposes `embed`, `batch_prefill`, `batch_decode` and a paged KV
+cache driven by `kv_state_begin_forward(kv, seq_ids, lengths)` /
+`kv_state_end_forward`. A step lays every sequence's tokens out in one ragged
+row: one token per decoding sequence, then each prefill chunk; the cache knows
+which rows belong to which sequence. Steps with prefill run `batch_prefill` with
+the logit positions the plan asks for; decode-only steps run `batch_decode`, as
+MLC's engine does. The step is timed from the embedding to the logits arriving
+on the host: that copy waits for the device, so it is the completed time on a
+GPU too.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlfp.backends.mlc.model_dir import ModelFolder
+from dlfp.backends.mlc.tokenizer import ByteTokenizer
+from dlfp.backends.protocol import (
+    TIMING_OUTPUT_READY,
+    Backend,
+    BackendError,
+    Capabilities,
+    StepPlan,
+    StepResult,
+)
+
+KV_FUNCS = ("add_sequence", "remove_sequence", "begin_forward", "end_forward", "popn")
+CREATE_KV = ("create_tir_paged_kv_cache", "create_paged_kv_cache")  # MLC's names, older first
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    model_dir: str
+    max_sequences: int = 4
+    context: int = 4096  # positions per sequence (capped by the model's context window)
+    prefill_chunk_size: int = 512  # tokens one step may carry
+    page_size: int = 16
+    n_threads: int | None = None
+
+
+@dataclass
+class _Layout:
+    """One step's ragged row: token ids, owner sequences, and rows whose logits are wanted."""
+
+    tokens: np.ndarray
+    seq_ids: list[int]
+    lengths: list[int]
+    logit_rows: list[tuple[int, int]]  # (seq_id, row)
+
+
+def layout(plan: StepPlan) -> _Layout:
+    tokens: list[int] = []
+    seq_ids, lengths, rows = [], [], []
+    for d in plan.decodes:
+        rows.append((d.seq_id, len(tokens)))
+        tokens.append(d.token_id)
+        seq_ids.append(d.seq_id)
+        lengths.append(1)
+    for c in plan.prefills:
+        tokens.extend(c.token_ids)
+        seq_ids.append(c.seq_id)
+        lengths.append(len(c.token_ids))
+        if c.wants_logits:
+            rows.append((c.seq_id, len(tokens) - 1))
+    return _Layout(np.asarray(tokens, dtype=np.int32), seq_ids, lengths, rows)
+
+
+class MLCStepBackend(Backend):
+    name = "mlc"
+
+    def __init__(self, config: StepConfig):
+        import tvm
+        from tvm import relax
+
+        self._tvm = tvm
+        self.config = config
+        self.folder = ModelFolder.open(config.model_dir)
+        cfg = self.folder.config
+        if cfg["target"] != "llvm":
+            raise ValueError(f"model folder targets {cfg['target']!r}; this adapter runs CPU (llvm) builds")
+        _set_threads(tvm, config.n_threads)
+        self.device = tvm.cpu()
+        try:
+            self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.folder.lib_path)), self.device)
+            loaded = tvm.runtime.load_param_dict_from_file(str(self.folder.params_path))
+        except Exception as exc:  # TVM raises its own error types for a bad library
+            raise ValueError(f"could not load the compiled model in {self.folder.path}: {exc}") from None
+        self._params = [loaded[n] for n in cfg["param_names"]]
+        self._fn = {n: self._function(n) for n in ("embed", "batch_prefill", "batch_decode")}
+        self._kv_fn = {n: tvm.get_global_func(f"vm.builtin.kv_state_{n}") for n in KV_FUNCS}
+        self.tokenizer = ByteTokenizer.from_config(cfg["tokenizer"])
+        self.hidden = int(cfg["hidden_size"])
+        context = min(config.context, int(cfg["context_window_size"]))
+        self._kv = self._create_kv(context)
+        self._lengths: dict[int, int] = {}  # sequences alive in the cache -> cached positions
+        self.capabilities = Capabilities(
+            owned_loop=True,
+            multi_sequence=True,
+            per_step_chunking=True,
+            timing=TIMING_OUTPUT_READY,
+            max_sequences=config.max_sequences,
+            context_per_sequence=context,
+            max_batch_tokens=config.prefill_chunk_size,
+            vocab_size=int(cfg["vocab_size"]),
+        )
+
+    def _function(self, name: str):
+        try:
+            return self._vm[name]
+        except (AttributeError, KeyError, RuntimeError):
+            raise ValueError(f"compiled model in {self.folder.path} has no function {name!r}") from None
+
+    def _create_kv(self, context: int):
+        shape = self._tvm.runtime.ShapeTuple
+        c = self.config
+        for name in CREATE_KV:
+            if self._vm.module.implements_function(name):
+                # Pages for every sequence at full context: a step never runs out of cache.
+                return self._vm[name](
+                    shape([c.max_sequences]), shape([c.max_sequences * context]),
+                    shape([c.prefill_chunk_size]), shape([c.page_size]), shape([0]),
+                )
+        raise ValueError(f"compiled model in {self.folder.path} has none of {CREATE_KV}")
+
+    # -- stepping ----------------------------------------------------------
+    def step(self, plan: StepPlan) -> StepResult:
+        self._check(plan)
+        lay = layout(plan)
+        for seq_id, start in [(d.seq_id, d.position) for d in plan.decodes] + [(c.seq_id, c.start) for c in plan.prefills]:
+            self._rewind(seq_id, start)
+        tvm = self._tvm
+        t0 = time.perf_counter()
+        try:
+            embeds = self._fn["embed"](tvm.runtime.tensor(lay.tokens, self.device), self._params)
+            self._kv_fn["begin_forward"](self._kv, tvm.runtime.ShapeTuple(lay.seq_ids), tvm.runtime.ShapeTuple(lay.lengths))
+            logits = self._prefill(embeds, lay) if plan.prefills else self._decode(embeds, len(lay.tokens))
+            self._kv_fn["end_forward"](self._kv)
+        except Exception as exc:  # TVM errors: the step's sequences no longer match our bookkeeping
+            for seq_id in lay.seq_ids:
+                self.free_sequence(seq_id)
+            raise BackendError(f"the compiled model failed this step: {exc}") from None
+        t1 = time.perf_counter()
+        for seq_id, n in zip(lay.seq_ids, lay.lengths):
+            self._lengths[seq_id] += n
+        return StepResult(logits={seq: logits[i] for i, (seq, _) in enumerate(lay.logit_rows)}, duration_s=t1 - t0)
+
+    def _prefill(self, embeds, lay: _Layout) -> np.ndarray:
+        # batch_prefill needs at least one logit position; a mid-prompt step asks for its last row.
+        rows = [r for _, r in lay.logit_rows] or [len(lay.tokens) - 1]
+        positions = self._tvm.runtime.tensor(np.asarray(rows, dtype=np.int32), self.device)
+        view = embeds._create_view((1, len(lay.tokens), self.hidden))
+        out, self._kv = self._fn["batch_prefill"](view, positions, self._kv, self._params)
+        return out.numpy()[0]  # the host copy: the step has completed
+
+    def _decode(self, embeds, n: int) -> np.ndarray:
+        view = embeds._create_view((n, 1, self.hidden))
+        out, self._kv = self._fn["batch_decode"](view, self._kv, self._params)
+        return out.numpy()[:, 0]
+
+    def _check(self, plan: StepPlan) -> None:
+        caps = self.capabilities
+        if plan.is_empty():
+            raise BackendError("empty step plan")
+        if plan.n_tokens > caps.max_batch_tokens:
+            raise BackendError(f"step of {plan.n_tokens} tokens exceeds prefill_chunk_size={caps.max_batch_tokens}")
+        seqs = [d.seq_id for d in plan.decodes] + [c.seq_id for c in plan.prefills]
+        if len(set(seqs)) != len(seqs):
+            raise BackendError(f"a sequence appears twice in one step: {seqs}")
+        for s in seqs:
+            if not 0 <= s < caps.max_sequences:
+                raise BackendError(f"sequence slot {s} is outside 0..{caps.max_sequences - 1}")
+        for c in plan.prefills:
+            if not c.token_ids:
+                raise BackendError(f"empty prefill chunk for sequence {c.seq_id}")
+            if c.end > caps.context_per_sequence:
+                raise BackendError(f"sequence {c.seq_id} would pass the context of {caps.context_per_sequence}")
+        for d in plan.decodes:
+            if d.position >= caps.context_per_sequence:
+                raise BackendError(f"sequence {d.seq_id} is at the end of its context")
+        bad = [t for t in plan_tokens(plan) if not 0 <= t < caps.vocab_size]
+        if bad:
+            raise BackendError(f"token id {bad[0]} is outside the vocabulary (size {caps.vocab_size})")
+
+    def _rewind(self, seq_id: int, start: int) -> None:
+        """Make the cache hold exactly `start` positions of `seq_id` before the step appends."""
+        have = self._lengths.get(seq_id)
+        if have is None:
+            self._kv_fn["add_sequence"](self._kv, seq_id)
+            self._lengths[seq_id] = have = 0
+        if start > have:
+            raise BackendError(f"sequence {seq_id} starts at {start} but its cache holds {have} positions")
+        if start < have:
+            self._kv_fn["popn"](self._kv, seq_id, have - start)  # recompute from `start` (a rewind)
+            self._lengths[seq_id] = start
+
+    def free_sequence(self, seq_id: int) -> None:
+        if self._lengths.pop(seq_id, None) is not None:
+            self._kv_fn["remove_sequence"](self._kv, seq_id)
+
+    # -- text --------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text)  # the byte tokenizer has no BOS to add
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_bytes(self, token_ids: list[int], special: bool = False) -> bytes:
+        return self.tokenizer.decode_bytes(token_ids, special)
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self.tokenizer.eos_ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "mode": "step",
+            "model_path": str(self.folder.path.resolve()),
+            "runtime": f"apache-tvm {self._tvm.__version__} (a stand-in for MLC-LLM's own TVM build)",
+            "device": str(self.device),
+            "max_sequences": self.capabilities.max_sequences,
+            "context_per_sequence": self.capabilities.context_per_sequence,
+            "prefill_chunk_size": self.capabilities.max_batch_tokens,
+            "page_size": self.config.page_size,
+            "n_threads": self._tvm.runtime.num_threads(),
+            "weights": self.folder.config.get("weights"),
+        }
+
+    def close(self) -> None:
+        self._kv = None
+        self._vm = None
+
+
+def plan_tokens(plan: StepPlan) -> list[int]:
+    return [d.token_id for d in plan.decodes] + [t for c in plan.prefills for t in c.token_ids]
+
+
+def _set_threads(tvm, n: int | None) -> None:
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"n_threads must be >= 1, got {n}")
+    # TVM's thread pool: mode 1 = big cores, n workers (the same call MLC's runtime makes).
+    tvm.get_global_func("runtime.config_threadpool")(1, n)

@@ -1,0 +1,183 @@
+"""The mlc step-mode adapter for real: a tiny model with MLC-LLM's function names,
+compiled by apache-tvm for the CPU inside this test session."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tvm")
+
+from dlfp.backends.mlc.model_dir import CONFIG_NAME, ModelFolderError  # noqa: E402
+from dlfp.backends.mlc.step import MLCStepBackend, StepConfig  # noqa: E402
+from dlfp.backends.mlc.tokenizer import ByteTokenizer  # noqa: E402
+from dlfp.backends.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.controller import DLFP, DLFPParams, Unbounded  # noqa: E402
+from dlfp.engine import Engine, EngineConfig  # noqa: E402
+from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402
+
+PROMPT = list(b"The lighthouse keeper climbed the stairs at dusk.")
+OTHER = list(b"Bread rises because yeast eats sugar and breathes out gas.")
+
+
+@pytest.fixture(scope="session")
+def tiny_mlc(tmp_path_factory):
+    """The tiny MLC-named model, compiled once per session (about 10 s on two cores)."""
+    from dlfp.backends.mlc.build_tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("mlc") / "tiny", seed=0).path
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_mlc):
+    b = MLCStepBackend(StepConfig(str(tiny_mlc), max_sequences=4, context=1024, prefill_chunk_size=128, n_threads=1))
+    yield b
+    b.close()
+
+
+def prefill(backend, seq, ids, chunk=None):
+    """Prefill `ids` into slot `seq` (in chunks of `chunk`); returns the last logits."""
+    chunk = chunk or len(ids)
+    out = None
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        last = start + len(part) == len(ids)
+        out = backend.step(StepPlan(prefills=[PrefillChunk(seq, part, start, last)])).logits.get(seq)
+    return out
+
+
+def greedy(backend, ids, n, seq=0):
+    backend.free_sequence(seq)
+    out = [int(prefill(backend, seq, ids).argmax())]
+    for i in range(n - 1):
+        r = backend.step(StepPlan(decodes=[DecodeItem(seq, out[-1], len(ids) + i)]))
+        out.append(int(r.logits[seq].argmax()))
+    backend.free_sequence(seq)
+    return out
+
+
+def test_capabilities_follow_the_config(backend):
+    c = backend.capabilities
+    assert c.owned_loop and c.multi_sequence and c.per_step_chunking
+    assert (c.max_sequences, c.context_per_sequence, c.max_batch_tokens, c.vocab_size) == (4, 1024, 128, 264)
+    assert backend.describe()["runtime"].startswith("apache-tvm")
+
+
+def test_chunked_prefill_matches_whole_prefill(backend):
+    whole = prefill(backend, 0, PROMPT)
+    chunked = prefill(backend, 1, PROMPT, chunk=7)
+    np.testing.assert_allclose(chunked, whole, atol=1e-4)
+    assert whole.shape == (264,) and np.isfinite(whole).all()
+    backend.free_sequence(0)
+    backend.free_sequence(1)
+
+
+def test_greedy_output_is_not_degenerate(backend):
+    out = greedy(backend, PROMPT, 12)
+    assert len(set(out)) > 3
+
+
+def test_batched_decode_and_mixed_step_match_single_sequences(backend):
+    ref_a, ref_b = greedy(backend, PROMPT, 6), greedy(backend, OTHER, 6)
+    # Sequence 0 decodes while sequence 1's prompt arrives in chunks beside it, in the same calls.
+    out_a = [int(prefill(backend, 0, PROMPT).argmax())]
+    out_b, pos_b = [], 0
+    for i in range(5):
+        chunk = OTHER[pos_b : pos_b + 20]
+        plan = StepPlan(decodes=[DecodeItem(0, out_a[-1], len(PROMPT) + i)])
+        if chunk:
+            plan.prefills.append(PrefillChunk(1, chunk, pos_b, pos_b + len(chunk) == len(OTHER)))
+        elif out_b:
+            plan.decodes.append(DecodeItem(1, out_b[-1], len(OTHER) + len(out_b) - 1))
+        r = backend.step(plan)
+        assert r.duration_s > 0
+        out_a.append(int(r.logits[0].argmax()))
+        pos_b += len(chunk)
+        if 1 in r.logits:
+            out_b.append(int(r.logits[1].argmax()))
+    while len(out_b) < 6:
+        r = backend.step(StepPlan(decodes=[DecodeItem(1, out_b[-1], len(OTHER) + len(out_b) - 1)]))
+        out_b.append(int(r.logits[1].argmax()))
+    assert out_a == ref_a and out_b == ref_b
+    backend.free_sequence(0)
+    backend.free_sequence(1)
+
+
+def test_rewinding_a_sequence_recomputes_from_the_given_position(backend):
+    ref = prefill(backend, 2, PROMPT)
+    backend.free_sequence(2)
+    prefill(backend, 2, PROMPT[:30] + [1, 2, 3])
+    again = backend.step(StepPlan(prefills=[PrefillChunk(2, PROMPT[30:], 30, True)])).logits[2]
+    np.testing.assert_allclose(again, ref, atol=1e-4)
+    backend.free_sequence(2)
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (StepPlan(prefills=[PrefillChunk(0, [1] * 129, 0, True)]), "exceeds prefill_chunk_size"),
+        (StepPlan(decodes=[DecodeItem(0, 1, 0)], prefills=[PrefillChunk(0, [1], 0, True)]), "twice"),
+        (StepPlan(prefills=[PrefillChunk(0, [999], 0, True)]), "outside the vocabulary"),
+        (StepPlan(prefills=[PrefillChunk(9, [1], 0, True)]), "slot 9"),
+        (StepPlan(decodes=[DecodeItem(0, 1, 1024)]), "end of its context"),
+        (StepPlan(prefills=[PrefillChunk(0, [1, 2], 5, True)]), "starts at 5"),
+        (StepPlan(), "empty"),
+    ],
+)
+def test_bad_steps_are_refused_with_one_clear_error(backend, plan, message):
+    backend.free_sequence(0)
+    with pytest.raises(BackendError, match=message):
+        backend.step(plan)
+    backend.free_sequence(0)
+
+
+def test_bad_model_folders_fail_with_one_clear_error(tmp_path, tiny_mlc):
+    with pytest.raises(ModelFolderError, match="not found"):
+        MLCStepBackend(StepConfig(str(tmp_path / "nope")))
+    with pytest.raises(ModelFolderError, match=CONFIG_NAME):
+        MLCStepBackend(StepConfig(str(tmp_path)))
+    cfg = json.loads((tiny_mlc / CONFIG_NAME).read_text())
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ModelFolderError, match="model.so"):
+        MLCStepBackend(StepConfig(str(tmp_path)))
+
+
+def test_tokenizer_round_trips_text_and_renders_chatml(backend):
+    text = "naïve café — 3 €"
+    ids = backend.tokenize(text)
+    assert len(ids) == len(text.encode()) and backend.detokenize(ids) == text
+    chat = backend.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert backend.token_bytes(chat, special=True) == b"<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert backend.is_eos(257) and not backend.is_eos(ord("a"))
+    with pytest.raises(ValueError, match=">= 256"):
+        ByteTokenizer({"<x>": 12}, [], None)
+
+
+def run_engine(backend, policy, budget):
+    engine = Engine(backend, policy, EngineConfig(preemption_budget_s=budget)).start()
+    bg = [engine.submit(Request(OTHER * 4, 3, BACKGROUND, request_id=f"bg{i}")) for i in range(2)]
+    fg = engine.submit(Request(PROMPT, 24, FOREGROUND, ignore_eos=True, request_id="fg"))
+    records = {h.request_id: h.result(timeout=120) for h in [*bg, fg]}
+    engine.shutdown(abort_pending=False)
+    return engine, records
+
+
+def test_engine_outputs_identical_under_unbounded_and_dlfp(backend):
+    _, unb = run_engine(backend, Unbounded(), None)
+    engine, dl = run_engine(backend, DLFP(DLFPParams(0.005, 8, 2, 64, 2)), 0.05)
+    assert all(r.ok for r in [*unb.values(), *dl.values()])
+    assert {k: r.output_ids for k, r in unb.items()} == {k: r.output_ids for k, r in dl.items()}
+    assert len(dl["fg"].output_ids) == 24
+    # Under DLFP the prompt chunks beside the foreground decode stay under the controller's cap.
+    guarded = [s for s in engine.trace.steps if s.guarded and s.n_prefill_bg]
+    assert guarded and all(s.n_prefill_bg <= 64 for s in guarded)
+
+
+def test_registry_loads_step_mode_from_the_profile(tiny_mlc):
+    from dlfp.backends.registry import load_backend
+    from dlfp.devices.profiles import load_profile
+
+    b = load_backend("mlc", str(tiny_mlc), load_profile("cpu-laptop"), n_threads=1)
+    prof = load_profile("cpu-laptop")
+    assert b.capabilities.max_sequences == prof.n_seq_max and b.capabilities.max_batch_tokens == prof.n_batch
+    with pytest.raises(ValueError, match="needs --model"):
+        load_backend("mlc", None, prof)
