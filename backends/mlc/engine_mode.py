@@ -123,9 +123,10 @@ def engine_metrics_summary(metrics: dict) -> dict:
 class BackgroundAdmission:
     """How many background requests may be in flight, from the foreground's measured ITL.
 
-    While a foreground request streams, each gap over the target takes one admission
-    slot away and each gap under it gives one back. Requests already admitted run to
-    the end: MLC's engine cannot pause one, so the lever acts on the next admission.
+    While a foreground request streams, a gap over the target closes admission and
+    each gap under it opens one more slot (additive increase, as DLFP grows its cap
+    back). Requests already admitted run to the end: MLC's engine cannot pause one,
+    so the lever acts on the next admission only.
     """
 
     def __init__(self, target_s: float | None, max_inflight: int):
@@ -138,8 +139,7 @@ class BackgroundAdmission:
     def observe_fg_gap(self, gap_s: float) -> None:
         if self.target_s is None:
             return
-        step = -1 if gap_s > self.target_s else 1
-        self.level = min(self.max_inflight, max(0, self.level + step))
+        self.level = 0 if gap_s > self.target_s else min(self.max_inflight, self.level + 1)
 
     def allowed(self, fg_active: bool) -> int:
         if self.target_s is None or not fg_active:

@@ -72,6 +72,7 @@ class EngineTarget:
 # A factory takes (model, profile, **options) and returns a RunTarget.
 EXTERNAL_TARGETS = {
     "vllm": "dlfp.backends.vllm.target:make_target",
+    "mlc-engine": "dlfp.backends.mlc.engine_mode:make_target",
 }
 
 
