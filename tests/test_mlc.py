@@ -181,3 +181,33 @@ def test_registry_loads_step_mode_from_the_profile(tiny_mlc):
     assert b.capabilities.max_sequences == prof.n_seq_max and b.capabilities.max_batch_tokens == prof.n_batch
     with pytest.raises(ValueError, match="needs --model"):
         load_backend("mlc", None, prof)
+
+
+try:  # the shared conformance suite (backends/conformance.py)
+    from dlfp.backends import conformance
+except ImportError:  # pragma: no cover - only before the suite exists
+    conformance = None
+
+
+@pytest.mark.skipif(conformance is None, reason="dlfp.backends.conformance is not available")
+@pytest.mark.parametrize("check", conformance.CHECKS if conformance else [], ids=lambda c: c.name)
+def test_conformance_suite(backend, check):
+    result = conformance.run_check(check, backend)
+    assert result.status == conformance.PASS, result.detail
+
+
+def test_laptop_job_runs_on_the_mlc_backend(tiny_mlc, tmp_path):
+    """`dlfp laptop --backend mlc` end to end, functional only (timing is a benchmark's job)."""
+    from click.testing import CliRunner
+
+    from dlfp.cli import main
+
+    out = tmp_path / "run"
+    args = ["laptop", "--backend", "mlc", "--model", str(tiny_mlc), "--turns", "1", "--max-docs", "1",
+            "--itl-target-ms", "20", "--threads", "1", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exact_output_match"] is True and summary["backend"]["name"] == "mlc"
+    for p in summary["policies"].values():
+        assert p["requests_failed"] == 0 and p["bg_docs_done"] == 1 and p["fg_turns_done"] == 1

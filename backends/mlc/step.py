@@ -13,6 +13,8 @@ GPU too.
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -83,7 +85,12 @@ class MLCStepBackend(Backend):
         cfg = self.folder.config
         if cfg["target"] != "llvm":
             raise ValueError(f"model folder targets {cfg['target']!r}; this adapter runs CPU (llvm) builds")
-        _set_threads(tvm, config.n_threads)
+        if config.n_threads is not None and config.n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {config.n_threads}")
+        if config.n_threads is not None:
+            # TVM sizes each thread's pool from this variable when the pool is first made.
+            os.environ["TVM_NUM_THREADS"] = str(config.n_threads)
+        self._threads_set_in: int | None = None  # TVM's thread pool is per calling thread
         self.device = tvm.cpu()
         try:
             self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.folder.lib_path)), self.device)
@@ -130,6 +137,7 @@ class MLCStepBackend(Backend):
     # -- stepping ----------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
         self._check(plan)
+        self._configure_threads()
         lay = layout(plan)
         for seq_id, start in [(d.seq_id, d.position) for d in plan.decodes] + [(c.seq_id, c.start) for c in plan.prefills]:
             self._rewind(seq_id, start)
@@ -198,6 +206,14 @@ class MLCStepBackend(Backend):
             self._kv_fn["popn"](self._kv, seq_id, have - start)  # recompute from `start` (a rewind)
             self._lengths[seq_id] = start
 
+    def _configure_threads(self) -> None:
+        """Size the thread pool of the thread that steps (TVM keeps one pool per thread)."""
+        tid = threading.get_ident()
+        if self.config.n_threads is not None and tid != self._threads_set_in:
+            # mode 1 = big cores, then the worker count: the call MLC's runtime makes too.
+            self._tvm.get_global_func("runtime.config_threadpool")(1, self.config.n_threads)
+            self._threads_set_in = tid
+
     def free_sequence(self, seq_id: int) -> None:
         if self._lengths.pop(seq_id, None) is not None:
             self._kv_fn["remove_sequence"](self._kv, seq_id)
@@ -229,7 +245,7 @@ class MLCStepBackend(Backend):
             "context_per_sequence": self.capabilities.context_per_sequence,
             "prefill_chunk_size": self.capabilities.max_batch_tokens,
             "page_size": self.config.page_size,
-            "n_threads": self._tvm.runtime.num_threads(),
+            "n_threads": self.config.n_threads or f"tvm default ({self._tvm.runtime.num_threads()})",
             "weights": self.folder.config.get("weights"),
         }
 
@@ -241,11 +257,3 @@ class MLCStepBackend(Backend):
 def plan_tokens(plan: StepPlan) -> list[int]:
     return [d.token_id for d in plan.decodes] + [t for c in plan.prefills for t in c.token_ids]
 
-
-def _set_threads(tvm, n: int | None) -> None:
-    if n is None:
-        return
-    if n < 1:
-        raise ValueError(f"n_threads must be >= 1, got {n}")
-    # TVM's thread pool: mode 1 = big cores, n workers (the same call MLC's runtime makes).
-    tvm.get_global_func("runtime.config_threadpool")(1, n)
