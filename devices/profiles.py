@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -23,6 +23,10 @@ class DeviceProfile:
     n_ctx: int
     n_seq_max: int
     n_batch: int
+    # Thermal governor (dlfp.devices.governor): hold background prefill back above this
+    # temperature, or on battery below this charge (0: never for the battery).
+    thermal_limit_c: float = 90.0
+    battery_min_percent: float = 0.0
 
     def dlfp_params(self, itl_target_ms: float | None = None) -> DLFPParams:
         target = itl_target_ms if itl_target_ms is not None else self.itl_target_ms
@@ -51,7 +55,8 @@ def load_profile(name_or_path: str) -> DeviceProfile:
     data = tomllib.loads(text)
     known = {f.name for f in fields(DeviceProfile)}
     unknown = set(data) - known
-    missing = known - set(data)
+    required = {f.name for f in fields(DeviceProfile) if f.default is MISSING}
+    missing = required - set(data)
     if unknown or missing:
         raise ValueError(f"profile {name_or_path!r}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
     return DeviceProfile(**data)

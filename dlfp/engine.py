@@ -132,6 +132,7 @@ class Engine:
         self._prev_call: float | None = None
         self._prev_capped = False
         self.step_hooks: list[Callable[[StepRecord], None]] = []
+        # Thermal governor hook: gate(now) -> (background prefill may run, label for StepRecord.governor).
         self.background_gate: Callable[[float], tuple[bool, str | None]] | None = None
         self.steps_run = 0
 
@@ -244,8 +245,11 @@ class Engine:
         if not guarded:
             self.policy.reset()
         cap = self.policy.cap() if guarded else None
-        bg_cap = self._background_cap(t_call)
-        step = self.scheduler.plan(cap, bg_cap)
+        bg_allowed, gate_label = self.background_gate(t_call) if self.background_gate else (True, None)
+        bg_cap = self.preemption.cap() if self.preemption is not None else None
+        if not bg_allowed:
+            bg_cap = 0
+        step = self.scheduler.plan(cap, bg_cap, background=bg_allowed)
         if step.plan.is_empty():
             self._prev_call = None
             time.sleep(self.config.idle_wait_s)  # background held back by the governor
@@ -263,7 +267,7 @@ class Engine:
         self._prev_call, self._prev_capped = t_call, step.capped
         t_done = self.clock()
         self._apply(step, result.logits, t_done)
-        self._record_step(step, result, t_call, t_done, observed)
+        self._record_step(step, result, t_call, t_done, observed, gate_label)
 
     def _observe_cadence(self, t_call: float) -> float | None:
         """The paper's proxy: interval between scheduler calls after a capped step."""
@@ -272,14 +276,6 @@ class Engine:
         interval = t_call - self._prev_call
         self.policy.observe(interval)
         return interval
-
-    def _background_cap(self, now: float) -> int | None:
-        cap = self.preemption.cap() if self.preemption is not None else None
-        if self.background_gate is not None:
-            allow, _ = self.background_gate(now)
-            if not allow:
-                return 0
-        return cap
 
     def _apply(self, step: PlannedStep, logits: dict, t_done: float) -> None:
         by_slot = {s.slot: s for s in self.scheduler.running}
@@ -356,7 +352,9 @@ class Engine:
         self.trace.add_request(record)
         return record
 
-    def _record_step(self, step: PlannedStep, result, t0: float, t1: float, observed: float | None) -> None:
+    def _record_step(
+        self, step: PlannedStep, result, t0: float, t1: float, observed: float | None, governor: str | None = None
+    ) -> None:
         unreachable = self.policy.target_unreachable
         if unreachable:
             self.trace.note(_unreachable_note(self.policy))
@@ -373,6 +371,7 @@ class Engine:
             observed_s=observed,
             unreachable=unreachable,
             device_duration_s=result.device_duration_s,
+            governor=governor,
         )
         self.steps_run += 1
         self.trace.add_step(rec)

@@ -85,7 +85,9 @@ class Scheduler:
         return any(s.priority in self.protect for s in self.decoding())
 
     # -- planning ----------------------------------------------------------
-    def plan(self, cap: int | None, bg_cap: int | None) -> PlannedStep:
+    def plan(self, cap: int | None, bg_cap: int | None, background: bool = True) -> PlannedStep:
+        """The next step. `background=False` (the thermal governor's hold) keeps every
+        background prompt out of this step, guarded or not; background decodes still run."""
         decoding = self.decoding()
         prefilling = self._prefill_order()
         guarded = any(s.priority in self.protect for s in decoding)
@@ -101,6 +103,8 @@ class Scheduler:
         fg_loading = any(s.priority == FOREGROUND for s in prefilling)
         counts = {FOREGROUND: 0, BACKGROUND: 0}
         for seq in prefilling:
+            if seq.priority == BACKGROUND and not background:
+                break  # prefilling is sorted foreground first
             limit = room
             if seq.priority == BACKGROUND and not guarded:
                 if fg_loading:

@@ -1,0 +1,85 @@
+"""CPU probe: utilisation, current frequency and thermal-throttle hints.
+
+- utilisation: psutil (the running system only);
+- frequency: `sys/devices/system/cpu/cpu*/cpufreq/scaling_cur_freq` (kHz) under the
+  root, else psutil.cpu_freq() on the running system (which falls back to
+  /proc/cpuinfo in a VM without cpufreq);
+- throttling: Intel's `sys/devices/system/cpu/cpu*/thermal_throttle/*_throttle_count`
+  counters; a reading says `throttling=True` when any counter rose since the
+  previous reading of the same probe object.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import time
+
+import psutil
+
+from dlfp.devices.reading import Reading, RootedProbe, live_only, read_number, sys_path
+
+CPU_DIR = ("sys", "devices", "system", "cpu")
+MIN_INTERVAL_S = 0.1
+
+
+class CpuProbe(RootedProbe):
+    name = "cpu"
+
+    def __init__(self, root: str | Path = "/"):
+        super().__init__(root)
+        self._throttle_prev: int | None = None
+        self._baseline = time.monotonic()
+        if self.live:
+            psutil.cpu_percent(interval=None)  # the first call only sets the baseline
+
+    def read(self) -> list[Reading]:
+        values: dict = {}
+        missing: dict[str, str] = {}
+        if self.live:
+            # Right after the baseline the figure is noise: the first read waits out MIN_INTERVAL_S.
+            wait = MIN_INTERVAL_S - (time.monotonic() - self._baseline)
+            values["util_pct"] = psutil.cpu_percent(interval=wait if wait > 0 else None)
+        else:
+            missing["util_pct"] = live_only(self.root, "psutil")
+        self._frequency(values, missing)
+        self._throttle(values, missing)
+        return [Reading(self.name, "cpu", values, missing=missing)]
+
+    def _cpus(self) -> list[Path]:
+        return sorted(sys_path(self.root, *CPU_DIR).glob("cpu[0-9]*"))
+
+    def _frequency(self, values: dict, missing: dict) -> None:
+        khz = []
+        for cpu in self._cpus():
+            try:
+                khz.append(read_number(cpu / "cpufreq" / "scaling_cur_freq"))
+            except (OSError, ValueError):
+                continue
+        if khz:
+            values["freq_mhz"] = sum(khz) / len(khz) / 1e3
+            values["freq_max_mhz"] = max(khz) / 1e3
+            return
+        freq = psutil.cpu_freq() if self.live else None
+        if freq is not None and freq.current > 0:
+            values["freq_mhz"] = float(freq.current)
+        else:
+            where = sys_path(self.root, *CPU_DIR, "cpu*", "cpufreq", "scaling_cur_freq")
+            extra = "" if self.live else f"; {live_only(self.root, 'psutil')}"
+            missing["freq_mhz"] = f"no {where} (no cpufreq driver, e.g. a VM){extra}"
+
+    def _throttle(self, values: dict, missing: dict) -> None:
+        counts = []
+        for cpu in self._cpus():
+            for f in ("core_throttle_count", "package_throttle_count"):
+                try:
+                    counts.append(read_number(cpu / "thermal_throttle" / f))
+                except (OSError, ValueError):
+                    continue
+        if not counts:
+            where = sys_path(self.root, *CPU_DIR, "cpu*", "thermal_throttle")
+            missing["throttling"] = f"no {where} counters (Intel-only, absent in VMs)"
+            return
+        total = sum(counts)
+        values["throttle_count"] = total
+        values["throttling"] = self._throttle_prev is not None and total > self._throttle_prev
+        self._throttle_prev = total
