@@ -8,6 +8,7 @@ across policies.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,15 +16,19 @@ from pathlib import Path
 from typing import Callable
 
 from dlfp.backends.protocol import Backend
-from dlfp.controller import PrefillPolicy, parse_policy
+from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
+from dlfp.devices.energy import energy_report
+from dlfp.devices.governor import ThermalGovernor
 from dlfp.devices.profiles import DeviceProfile
-from dlfp.engine import Engine, EngineConfig
+from dlfp.devices.sampler import ProbeSampler
+from dlfp.engine import Engine, EngineConfig, InvalidRequest
 from dlfp.metrics import itls, percentile, ttft
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import RequestRecord, Trace
 from dlfp.workloads.laptop import ChatScript, Document, chat_messages, summary_messages
 
 DECODE_ONLY = "decode-only"
+log = logging.getLogger("dlfp.laptop")
 
 
 @dataclass
@@ -35,6 +40,7 @@ class LaptopSettings:
     docs: list[Document]
     summary_tokens: int = 8  # a background summary is a few tokens: the job is the prefill
     fg_start_s: float = 1.0  # the first message arrives while ingestion is under way
+    probe_period_s: float = 0.5
     out: Path | None = None
 
 
@@ -58,24 +64,40 @@ def run_session(
     with_background: bool = True,
     on_progress: Callable[[], None] | None = None,
 ) -> Session:
-    engine = Engine(backend, policy, EngineConfig.for_policy(policy, settings.profile)).start()
-    start = engine.clock()
-    bg = []
-    if with_background:
-        for doc in settings.docs:
-            ids = backend.apply_chat_template(summary_messages(doc))
-            req = Request(ids, settings.summary_tokens, BACKGROUND, request_id=f"bg-{doc.name}", tag=doc.name)
-            handle = engine.submit(req)
-            if on_progress:
-                threading.Thread(target=_notify_when_done, args=(handle, on_progress), daemon=True).start()
-            bg.append(handle)
-    time.sleep(settings.fg_start_s)
-    _chat(engine, backend, settings.script, on_progress)
-    for h in bg:
-        h.result()
-    end = engine.clock()
-    engine.shutdown(abort_pending=False)
+    engine = Engine(backend, policy, EngineConfig.for_policy(policy, settings.profile))
+    with ProbeSampler(engine.trace, period_s=settings.probe_period_s) as sampler:
+        if not isinstance(policy, Unbounded):  # the baseline is llama.cpp's server: no governor
+            # Background prefill yields to heat, throttling and a low battery; the foreground never does.
+            engine.background_gate = ThermalGovernor.for_profile(settings.profile, source=sampler.latest)
+        engine.start()
+        start = engine.clock()
+        bg = _ingest(engine, backend, settings, with_background, on_progress)
+        time.sleep(settings.fg_start_s)
+        _chat(engine, backend, settings.script, on_progress)
+        for h in bg:
+            h.result()
+        end = engine.clock()
+        engine.shutdown(abort_pending=False)
     return Session(label, engine.trace, start, end, list(engine.trace.requests))
+
+
+def _ingest(engine: Engine, backend: Backend, settings: LaptopSettings, enabled: bool, on_progress) -> list:
+    """Submit every document as a background summary request (all at once: a folder drop)."""
+    bg = []
+    if not enabled:
+        return bg
+    for doc in settings.docs:
+        ids = backend.apply_chat_template(summary_messages(doc))
+        req = Request(ids, settings.summary_tokens, BACKGROUND, request_id=f"bg-{doc.name}", tag=doc.name)
+        try:
+            handle = engine.submit(req)
+        except InvalidRequest as exc:  # recorded in the trace; the other documents go on
+            log.warning("document %s refused: %s", doc.name, exc)
+            continue
+        if on_progress:
+            threading.Thread(target=_notify_when_done, args=(handle, on_progress), daemon=True).start()
+        bg.append(handle)
+    return bg
 
 
 def _notify_when_done(handle, callback) -> None:
@@ -87,7 +109,11 @@ def _chat(engine: Engine, backend: Backend, script: ChatScript, on_progress) -> 
     history: list[tuple[str, str]] = []
     for i, user in enumerate(script.turns):
         ids = backend.apply_chat_template(chat_messages(script, history, user))
-        handle = engine.submit(Request(ids, script.max_tokens, FOREGROUND, request_id=f"fg-turn-{i}", tag=f"turn {i}"))
+        try:
+            handle = engine.submit(Request(ids, script.max_tokens, FOREGROUND, request_id=f"fg-turn-{i}", tag=f"turn {i}"))
+        except InvalidRequest as exc:  # recorded in the trace; the session cannot go on without history
+            log.warning("chat turn %d refused: %s", i, exc)
+            return
         reply = backend.detokenize(list(handle))
         history.append((user, reply.strip()))
         if on_progress:
@@ -116,6 +142,8 @@ def session_summary(s: Session) -> dict:
         "requests_failed": sum(1 for r in s.records if not r.ok),
         "wall_s": s.end - s.start,
         "time_split_s": time_split(s),
+        "energy": energy_report(s.trace.samples, s.start, s.end, s.trace.steps, s.trace.requests),
+        "governor_holds": sum(1 for st in s.trace.steps if st.governor and st.governor != "clear"),
         "notes": list(s.trace.notes),
     }
 

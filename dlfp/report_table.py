@@ -33,6 +33,8 @@ def laptop_table(summary: dict, console: Console | None = None) -> None:
     ]
     for label, key in rows:
         table.add_row(label, *[_fmt(p[key]) for p in pol.values()])
+    table.add_row("energy J/out token", *[_fmt(p["energy"].get("j_per_output_token")) for p in pol.values()])
+    table.add_row("peak temp (C)", *[_fmt(p["energy"].get("peak_temp_c")) for p in pol.values()])
     console.print(table)
     console.print(f"exact output match: {summary['exact_output_match']}")
     for name, p in pol.items():
