@@ -1,0 +1,136 @@
+"""From traces to the rows of trials.jsonl: metrics, accounting, agreement.
+
+Metric columns describe the foreground class (the one the cap protects); for
+workloads with background work, `bg_*` columns describe it. Every measured
+request must be accounted for: submitted = completed + failed, where completed
+means it produced exactly `max_tokens` tokens (EOS is ignored), and failed
+covers errors, aborts, short outputs and refusals at submit.
+"""
+from __future__ import annotations
+
+from dlfp.bench.runner import TrialRun
+from dlfp.metrics import request_metrics
+from dlfp.sequence import BACKGROUND, FOREGROUND
+from dlfp.trace import RequestRecord, StepRecord
+from dlfp.workloads.schedule import Schedule
+from dlfp.workloads.specs import WorkloadSpec
+
+
+def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
+    planned = {p.request_id: p for p in schedule.measured}
+    records = _latest_by_id(r for r in run.trace.requests if r.request_id in planned)
+    completed = [r for r in records.values() if _complete(r, planned[r.request_id].max_tokens)]
+    done_ids = {r.request_id for r in completed}
+    failed_ids = {rid for rid in records if rid not in done_ids} | (set(run.refused) - done_ids)
+    lost = set(planned) - done_ids - failed_ids
+    fg = [r for r in records.values() if r.priority == FOREGROUND]
+    bg = [r for r in records.values() if r.priority == BACKGROUND]
+    start = min((p.arrival_s for p in records.values()), default=0.0)
+    end = max((r.finished_s or r.arrival_s for r in records.values()), default=start)
+    steps = [s for s in run.trace.steps if start <= s.t1 <= end]
+    row = {
+        "seed": run.seed,
+        "policy": run.arm,
+        "order": run.order,
+        "workload": spec.name,
+        "fingerprint": schedule.fingerprint,
+        "submitted": len(planned),
+        "completed": len(completed),
+        "failed": len(failed_ids),
+        "lost": len(lost),
+        "reconciled": not lost and len(completed) + len(failed_ids) == len(planned),
+        "output_tokens": sum(len(r.output_ids) for r in completed),
+        "expected_output_tokens": sum(planned[r.request_id].max_tokens for r in completed),
+        "errors": sorted({r.error for r in records.values() if r.error} | set(run.refused.values()))[:10],
+    }
+    fg_metrics = request_metrics([r for r in fg if r.request_id in done_ids], spec.slo)
+    for key in ("requests", "failed"):  # the accounting above covers every class
+        fg_metrics.pop(key)
+    for key in ("completed", "prompt_tokens", "output_tokens"):
+        fg_metrics[f"fg_{key}"] = fg_metrics.pop(key)
+    row.update(fg_metrics)
+    row["bg_completed"] = sum(1 for r in bg if r.request_id in done_ids)
+    row["prefill_tok_s"] = _rate(steps, ("n_prefill_fg", "n_prefill_bg"), [(start, end)])
+    row["bg_prefill_tok_s"] = _rate(steps, ("n_prefill_bg",), [(start, end)]) if bg else None
+    row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), _fg_windows(fg)) if bg else None
+    row.update(_step_stats(steps))
+    row.update(_energy(run, start, end, list(records.values())))
+    row["window_s"] = end - start
+    row["trial_wall_s"] = run.wall_s
+    row["max_submit_lag_s"] = run.max_submit_lag_s
+    row["notes"] = list(run.trace.notes)
+    return row
+
+
+def _latest_by_id(records) -> dict[str, RequestRecord]:
+    out: dict[str, RequestRecord] = {}
+    for r in records:
+        out[r.request_id] = r
+    return out
+
+
+def _complete(r: RequestRecord, max_tokens: int) -> bool:
+    return r.ok and r.finish_reason == "length" and len(r.output_ids) == max_tokens == len(r.token_times)
+
+
+def _fg_windows(fg: list[RequestRecord]) -> list[tuple[float, float]]:
+    """Union of [arrival, finish] of foreground requests: when the foreground was active."""
+    spans = sorted((r.arrival_s, r.finished_s) for r in fg if r.finished_s is not None)
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _rate(steps: list[StepRecord], keys: tuple[str, ...], windows: list[tuple[float, float]]) -> float | None:
+    """Prompt tokens per second over the windows (a step counts where it completed)."""
+    length = sum(b - a for a, b in windows)
+    if length <= 0:
+        return None
+    tokens = sum(sum(getattr(s, k) for k in keys) for s in steps if any(a <= s.t1 <= b for a, b in windows))
+    return tokens / length
+
+
+def _step_stats(steps: list[StepRecord]) -> dict:
+    capped = [s for s in steps if s.guarded and (s.n_prefill_fg or s.n_prefill_bg)]
+    return {
+        "steps": len(steps),
+        "capped_steps": len(capped),
+        "capped_step_max_ms": max(s.duration_s for s in capped) * 1e3 if capped else None,
+        "step_max_ms": max(s.duration_s for s in steps) * 1e3 if steps else None,
+    }
+
+
+def _energy(run: TrialRun, start: float, end: float, records: list[RequestRecord]) -> dict:
+    """Energy per output token where probes left readings in the trace; None otherwise."""
+    out = {"energy_j": None, "energy_per_output_token_j": None, "energy_source": None}
+    if not run.trace.samples:
+        return out
+    try:
+        from dlfp.devices.energy import energy_report
+    except ImportError:
+        return out
+    rep = energy_report(run.trace.samples, start, end, run.trace.steps, records)
+    out.update(energy_j=rep.get("energy_j"), energy_per_output_token_j=rep.get("j_per_output_token"),
+               energy_source=rep.get("energy_source"), peak_temp_c=rep.get("peak_temp_c"))
+    return out
+
+
+def output_agreement(runs: list[TrialRun], baseline: str) -> dict[str, dict]:
+    """Token ids of every request completed under both the baseline and each arm, compared.
+
+    Returns arm -> {"compared": n, "mismatches": [request ids]}.
+    """
+    by_arm = {r.arm: {rec.request_id: rec for rec in r.trace.requests if rec.ok} for r in runs}
+    base = by_arm.get(baseline, {})
+    out = {}
+    for arm, recs in by_arm.items():
+        if arm == baseline:
+            continue
+        common = sorted(set(base) & set(recs))
+        bad = [rid for rid in common if base[rid].output_ids != recs[rid].output_ids]
+        out[arm] = {"compared": len(common), "mismatches": bad}
+    return out

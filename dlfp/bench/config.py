@@ -1,0 +1,122 @@
+"""config.json: everything needed to know what ran, and to run it again.
+
+`args` holds the command's options exactly; `dlfp bench --from DIR/config.json`
+rebuilds the run from them. The rest (model hash, versions, machine) is there to
+tell whether a rerun happened under the same conditions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata
+from pathlib import Path
+
+DISTRIBUTIONS = ("dlfp", "numpy", "scipy", "llama-cpp-python", "vllm", "openai", "executorch", "apache-tvm")
+
+
+@dataclass
+class BenchArgs:
+    workload: str = "laptop"
+    policies: list[str] = field(default_factory=lambda: ["unbounded", "dlfp"])
+    seeds: list[int] = field(default_factory=lambda: [801, 802, 803])
+    rate: float | None = None
+    requests: int | None = None
+    warmup: int | None = None
+    scale: float = 1.0
+    burstiness: float = 1.0
+    slo: str | None = None
+    out: str = "runs/bench"
+    backend: str = "llamacpp"
+    model: str | None = None
+    profile: str = "cpu-laptop"
+    threads: int | None = None
+    kv_unified: bool = False
+    itl_target_ms: float | None = None
+    sweep: list[str] | None = None
+    overhead: bool = False
+    gate_p99_itl_reduction: float | None = None
+    endpoints: list[str] = field(default_factory=list)
+    probe_period_s: float | None = 0.5
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BenchArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"config args: unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+
+def load_args(path: str | Path) -> BenchArgs:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--from: cannot read {p}: {exc}") from None
+    if "args" not in data:
+        raise ValueError(f"--from: {p} has no 'args' (not a dlfp bench config.json)")
+    return BenchArgs.from_dict(data["args"])
+
+
+def build_config(args: BenchArgs, spec, profile, targets: dict[str, dict], params: dict | None) -> dict:
+    return {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(["dlfp", *sys.argv[1:]]) if sys.argv else "dlfp bench",
+        "args": asdict(args),
+        "workload": spec.to_dict(),
+        "profile": asdict(profile),
+        "controller": params,
+        "targets": targets,
+        "models": _model_hashes(targets),
+        "versions": versions(),
+        "machine": machine(),
+    }
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in DISTRIBUTIONS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def machine() -> dict:
+    import psutil
+
+    return {
+        "platform": platform.platform(),
+        "processor": _cpu_model() or platform.processor(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "hostname": platform.node(),
+        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def _model_hashes(targets: dict[str, dict]) -> dict:
+    from dlfp.models import file_sha256
+
+    out = {}
+    for desc in targets.values():
+        path = desc.get("model_path")
+        if path and Path(path).is_file() and path not in out:
+            out[path] = {"sha256": file_sha256(Path(path)), "bytes": Path(path).stat().st_size}
+    return out

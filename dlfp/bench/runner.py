@@ -1,0 +1,125 @@
+"""One trial: a target under one policy, fed one seed's schedule open-loop.
+
+Warmup requests run first, one at a time, so caches and threads are warm. Then a
+submitter thread sleeps until each scheduled arrival and submits; it never waits
+for completions (open loop). The caller's thread collects the handles as they
+finish (for the progress bar) and finally closes the target for its trace.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dlfp.bench.target import RunTarget
+from dlfp.trace import Trace
+from dlfp.workloads.schedule import PlannedRequest, Schedule
+
+log = logging.getLogger("dlfp.bench")
+
+_END = object()
+
+
+@dataclass
+class Arm:
+    """A column of the comparison: a policy on a target, or an endpoint under its label."""
+
+    name: str
+    target: RunTarget
+    policy: str
+
+
+@dataclass
+class TrialRun:
+    seed: int
+    arm: str
+    order: int  # position of this arm in the seed's run order
+    trace: Trace
+    refused: dict[str, str] = field(default_factory=dict)  # request id -> why submit raised
+    max_submit_lag_s: float = 0.0  # how far behind schedule the latest submission was
+    wall_s: float = 0.0
+
+
+def run_trial(
+    arm: Arm,
+    schedule: Schedule,
+    order: int = 0,
+    on_done: Callable[[], None] | None = None,
+    probe_period_s: float | None = None,
+) -> TrialRun:
+    refused: dict[str, str] = {}
+    t_start = time.perf_counter()
+    arm.target.open(arm.policy)
+    sampler = _start_sampler(arm.target, probe_period_s)
+    try:
+        for p in schedule.warmup:  # closed loop: one after another
+            _wait(_submit(arm.target, p, refused))
+            if on_done:
+                on_done()
+        lag = _open_loop(arm.target, schedule.measured, refused, on_done)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        trace = arm.target.close()
+    return TrialRun(schedule.seed, arm.name, order, trace, refused, lag, time.perf_counter() - t_start)
+
+
+def _open_loop(target: RunTarget, planned: tuple[PlannedRequest, ...], refused: dict, on_done) -> float:
+    handles: queue.Queue = queue.Queue()
+    lag = [0.0]
+
+    def submitter() -> None:
+        t0 = time.perf_counter()
+        try:
+            for p in planned:
+                delay = t0 + p.arrival_s - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                lag[0] = max(lag[0], -delay)
+                handles.put(_submit(target, p, refused))
+        finally:
+            handles.put(_END)
+
+    thread = threading.Thread(target=submitter, name="dlfp-bench-submit", daemon=True)
+    thread.start()
+    while (handle := handles.get()) is not _END:
+        _wait(handle)
+        if on_done:
+            on_done()
+    thread.join()
+    return lag[0]
+
+
+def _submit(target: RunTarget, p: PlannedRequest, refused: dict):
+    """Submit now; a refusal (or a transport error) is recorded, never raised."""
+    try:
+        return target.submit(p.to_request())
+    except Exception as exc:  # noqa: BLE001 - a failed request is data, not a crash
+        refused[p.request_id] = f"{type(exc).__name__}: {exc}"
+        log.warning("request %s refused: %s", p.request_id, exc)
+        return None
+
+
+def _wait(handle) -> None:
+    """Wait for a request to finish; its outcome is read from the trace afterwards."""
+    if handle is None:
+        return
+    try:
+        handle.result()
+    except Exception as exc:  # noqa: BLE001 - the trace records the failure
+        log.warning("request %s: %s", handle.request_id, exc)
+
+
+def _start_sampler(target: RunTarget, period_s: float | None):
+    """Probe readings into the engine's trace, where the target has one and probes are installed."""
+    trace = getattr(getattr(target, "engine", None), "trace", None)
+    if period_s is None or trace is None:
+        return None
+    try:
+        from dlfp.devices.sampler import ProbeSampler
+    except ImportError:
+        return None
+    return ProbeSampler(trace, period_s=period_s).start()

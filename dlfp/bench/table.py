@@ -1,0 +1,90 @@
+"""The terminal tables of `dlfp bench` and `dlfp report`."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from dlfp.bench.paired import HIGHER_IS_BETTER
+
+TRIAL_COLUMNS = (
+    ("ITL p50", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"), ("TTFT p99", "ttft_p99_ms"),
+    ("E2EL p99", "e2el_p99_ms"), ("SLO", "slo_met"), ("bg tok/s", "bg_prefill_tok_s_fg_active"),
+    ("J/tok", "energy_per_output_token_j"),
+)
+SHOWN_PAIRED = ("itl_p99_ms", "itl_p50_ms", "ttft_p99_ms", "e2el_p99_ms", "goodput_fraction",
+                "bg_prefill_tok_s_fg_active", "energy_per_output_token_j")
+
+
+def _fmt(x, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return str(x)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def trials_table(rows: list[dict], console: Console) -> None:
+    table = Table(title="trials: foreground latency in ms; bg tok/s while the foreground is active")
+    for col in ("seed", "policy", "ok/sub"):
+        table.add_column(col, no_wrap=True)
+    for label, _ in TRIAL_COLUMNS:
+        table.add_column(label, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(str(r["seed"]), r["policy"], f"{r['completed']}/{r['submitted']}",
+                      *[_fmt(r.get(k), 3 if k.startswith("energy") else 1) for _, k in TRIAL_COLUMNS])
+    console.print(table)
+
+
+def paired_tables(result: dict, console: Console) -> None:
+    paired = result["paired"]
+    for arm, c in paired["candidates"].items():
+        table = Table(title=f"{arm} vs {paired['baseline']}: paired change, mean [95% CI, Student-t df=n-1]")
+        table.add_column("metric")
+        for s in c["seeds"]:
+            table.add_column(f"seed {s}", justify="right")
+        table.add_column("mean change [95% CI]", justify="right")
+        for m in SHOWN_PAIRED:
+            d = c["metrics"].get(m)
+            if d is None or all(v is None for v in d["change"]):
+                continue
+            iv = d["interval"]
+            ci = "-" if iv is None else _pct(iv["mean"]) + (
+                f" [{_pct(iv['low'])}, {_pct(iv['high'])}]" if iv["low"] is not None else " [n=1]")
+            table.add_row(m + (" (+ better)" if m in HIGHER_IS_BETTER else ""), *[_pct(x) for x in d["change"]], ci)
+        console.print(table)
+        for t in c["trials"]:
+            red = "-" if t["reduction"] is None else f"{t['reduction'] * 100:.1f}%"
+            console.print(
+                f"  seed {t['seed']}: {paired['gate']['metric']} reduction {red}; outputs agree "
+                f"{_fmt(t['outputs_agree'])} ({t['tokens_compared']} requests compared); accounted "
+                f"{_fmt(t['reconciled'])}; failed {t['failed']} -> {'pass' if t['pass'] else 'FAIL'}"
+            )
+        verdict = "[green]PASS[/green]" if c["gate_pass"] else "[red]FAIL[/red]"
+        console.print(f"  gate ({paired['gate']['rule']}): {verdict}")
+
+
+def sweep_lines(result: dict, console: Console) -> None:
+    sw = result.get("sweep")
+    if not sw or "dlfp_on_frontier" not in sw:
+        return
+    console.print(f"sweep ({sw['x_metric']} vs P99 ITL, target {_fmt(sw['target_ms'])} ms):")
+    for arm, p in sw["points"].items():
+        console.print(f"  {arm:>12}: P99 ITL {_fmt(p['itl_p99_ms'])} ms, {_fmt(p['x'])} tok/s")
+    console.print(f"  DLFP on the frontier: {_fmt(sw['dlfp_on_frontier'])}"
+                  + (f" (dominated by {', '.join(sw['dominated_by'])})" if sw["dominated_by"] else ""))
+    ratio = sw["dlfp_throughput_ratio_to_best"]
+    console.print(f"  best fixed cap meeting the target: {sw['best_fixed_meeting_target'] or 'none'}; "
+                  f"DLFP throughput ratio {_fmt(ratio, 3)} (>= 0.95: {_fmt(sw['dlfp_meets_95pct'])})")
+
+
+def print_result(rows: list[dict], result: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    trials_table(rows, console)
+    paired_tables(result, console)
+    sweep_lines(result, console)

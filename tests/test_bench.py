@@ -1,0 +1,193 @@
+"""The benchmark harness: accounting, paired gate, traces, and `dlfp bench` end to end."""
+import json
+
+import pytest
+
+from dlfp.bench.analysis import output_agreement, trial_row
+from dlfp.bench.paired import paired_table, sweep_summary
+from dlfp.bench.runner import TrialRun
+from dlfp.metrics import SLO
+from dlfp.sequence import FOREGROUND
+from dlfp.trace import RequestRecord, Trace, read_requests, read_steps, StepRecord
+from dlfp.workloads.schedule import build_schedule
+from dlfp.workloads.specs import Gate, RequestClass, WorkloadSpec
+
+SPEC = WorkloadSpec("t", "test", (RequestClass("chat", FOREGROUND, 4, 3, count=5, rate=10.0),), SLO(), warmup=0)
+
+
+def record(rid, n_out, reason="length", error=None, t0=10.0):
+    times = [t0 + 0.1 * (i + 1) for i in range(n_out)]
+    return RequestRecord(rid, FOREGROUND, "chat", t0, 4, list(range(n_out)), times, reason, error,
+                         times[-1] if times else t0)
+
+
+def test_token_accounting_reconciles_every_request():
+    sched = build_schedule(SPEC, 1, 1000)
+    ids = [p.request_id for p in sched.measured]
+    trace = Trace(origin=0.0)
+    trace.add_request(record(ids[0], 3))  # complete
+    trace.add_request(record(ids[1], 2))  # short: a failure, not a completion
+    trace.add_request(record(ids[2], 1, "error", "boom"))  # engine error
+    run = TrialRun(1, "dlfp", 0, trace, refused={ids[3]: "InvalidRequest: too long"})
+    row = trial_row(run, sched, SPEC)  # ids[4] never reported: lost
+    assert (row["submitted"], row["completed"], row["failed"], row["lost"]) == (5, 1, 3, 1)
+    assert row["reconciled"] is False
+    assert row["output_tokens"] == row["expected_output_tokens"] == 3
+    trace.add_request(record(ids[4], 3))
+    row = trial_row(run, sched, SPEC)
+    assert row["reconciled"] is True and row["completed"] + row["failed"] == row["submitted"]
+    assert row["itl_p99_ms"] == pytest.approx(100.0)
+
+
+def test_output_agreement_finds_a_changed_token():
+    def run(arm, outputs):
+        t = Trace(origin=0.0)
+        for rid, ids in outputs.items():
+            t.add_request(RequestRecord(rid, FOREGROUND, "", 0.0, 1, ids, [1.0] * len(ids), "length", None, 1.0))
+        return TrialRun(1, arm, 0, t)
+
+    runs = [run("unbounded", {"a": [1, 2], "b": [3, 4]}), run("dlfp", {"a": [1, 2], "b": [3, 5]})]
+    assert output_agreement(runs, "unbounded") == {"dlfp": {"compared": 2, "mismatches": ["b"]}}
+
+
+def rows_for(itl_pairs, fingerprint="f"):
+    rows = []
+    for seed, (base, cand) in enumerate(itl_pairs):
+        for policy, itl in (("unbounded", base), ("dlfp", cand)):
+            rows.append({"seed": seed, "policy": policy, "itl_p99_ms": itl, "reconciled": True, "failed": 0,
+                         "fingerprint": fingerprint})
+    return rows
+
+
+AGREE = {s: {"dlfp": {"compared": 4, "mismatches": []}} for s in range(3)}
+
+
+def test_gate_needs_the_reduction_in_every_trial():
+    gate = Gate("itl_p99_ms", 0.10)
+    ok = paired_table(rows_for([(100, 80), (100, 85), (100, 88)]), ["unbounded", "dlfp"], [0, 1, 2], gate, AGREE)
+    c = ok["candidates"]["dlfp"]
+    assert c["gate_pass"] and c["exact_output_agreement"]
+    assert c["metrics"]["itl_p99_ms"]["change"] == pytest.approx([-0.20, -0.15, -0.12])
+    assert c["metrics"]["itl_p99_ms"]["interval"]["df"] == 2
+    one_short = paired_table(rows_for([(100, 80), (100, 95), (100, 70)]), ["unbounded", "dlfp"], [0, 1, 2], gate,
+                             AGREE)
+    assert not one_short["candidates"]["dlfp"]["gate_pass"]
+
+
+def test_a_token_mismatch_fails_the_trial():
+    bad = dict(AGREE)
+    bad[1] = {"dlfp": {"compared": 4, "mismatches": ["chat-2"]}}
+    out = paired_table(rows_for([(100, 50)] * 3), ["unbounded", "dlfp"], [0, 1, 2], Gate(), bad)
+    c = out["candidates"]["dlfp"]
+    assert not c["gate_pass"] and c["exact_output_agreement"] is False
+    assert [t["pass"] for t in c["trials"]] == [True, False, True]
+
+
+def test_do_no_harm_gate_judges_the_interval():
+    gate = Gate("itl_p99_ms", None)
+    harmless = paired_table(rows_for([(100, 101), (100, 98), (100, 100.5)]), ["unbounded", "dlfp"], [0, 1, 2],
+                            gate, AGREE)
+    assert harmless["candidates"]["dlfp"]["gate_pass"]
+    harmful = paired_table(rows_for([(100, 150), (100, 160), (100, 155)]), ["unbounded", "dlfp"], [0, 1, 2],
+                           gate, AGREE)
+    assert not harmful["candidates"]["dlfp"]["gate_pass"]
+
+
+def test_sweep_frontier():
+    rows = [{"policy": p, "itl_p99_ms": itl, "x": x} for p, itl, x in (
+        ("fixed:8", 90, 40), ("fixed:32", 300, 70), ("dlfp", 95, 45), ("unbounded", 1000, 75))]
+    s = sweep_summary(rows, ["unbounded", "fixed:8", "fixed:32", "dlfp"], "x", 100.0)
+    assert s["dlfp_on_frontier"] and s["best_fixed_meeting_target"] == "fixed:8"
+    assert s["dlfp_throughput_ratio_to_best"] == pytest.approx(45 / 40) and s["dlfp_meets_95pct"]
+    rows.append({"policy": "fixed:16", "itl_p99_ms": 80, "x": 50})
+    s = sweep_summary(rows, ["unbounded", "fixed:8", "fixed:16", "fixed:32", "dlfp"], "x", 100.0)
+    assert s["dominated_by"] == ["fixed:16"] and not s["dlfp_on_frontier"]
+
+
+def test_trace_round_trip(tmp_path):
+    t = Trace(origin=100.0)
+    rec = RequestRecord("r", FOREGROUND, "chat", 101.0, 4, [5, 6], [101.5, 101.75], "length", None, 101.75, 2)
+    t.add_request(rec)
+    t.add_step(StepRecord(101.0, 101.5, 0.5, 1, 4, 0, True, 8, None, 0.5))
+    paths = t.write(tmp_path, "1-dlfp")
+    (back,) = read_requests(paths["requests"])
+    assert back.output_ids == [5, 6] and back.token_times == pytest.approx([1.5, 1.75])
+    assert back.arrival_s == pytest.approx(1.0) and back.n_prefill_chunks == 2 and back.tag == "chat"
+    (step,) = read_steps(paths["steps"])
+    assert (step.t0, step.t1, step.cap, step.n_prefill_fg) == pytest.approx((1.0, 1.5, 8, 4))
+
+
+# -- end to end on a tiny generated GGUF ---------------------------------------
+pytest.importorskip("llama_cpp")
+
+
+def test_dlfp_bench_end_to_end_writes_every_file(tiny_gguf, tmp_path):
+    from click.testing import CliRunner
+
+    from dlfp.cli import main
+
+    out = tmp_path / "run"
+    args = ["bench", "--model", str(tiny_gguf), "--workload", "laptop", "--scale", "0.1", "--requests", "3",
+            "--rate", "20", "--warmup", "1", "--threads", "1", "--probe-period-s", "0", "--sweep", "fixed:8",
+            "--out", str(out), "--seeds", "5", "6"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert {(r["seed"], r["policy"]) for r in rows} == {(s, p) for s in (5, 6) for p in ("unbounded", "fixed:8", "dlfp")}
+    assert [r["policy"] for r in rows if r["seed"] == 6] == ["dlfp", "fixed:8", "unbounded"]  # alternated
+    assert all(r["reconciled"] and r["failed"] == 0 and r["output_tokens"] == r["expected_output_tokens"]
+               for r in rows)
+    for seed in (5, 6):
+        for label in ("unbounded", "fixed-8", "dlfp"):
+            assert (out / f"requests-{seed}-{label}.jsonl").exists() and (out / f"steps-{seed}-{label}.jsonl").exists()
+    paired = json.loads((out / "paired.json").read_text())
+    assert paired["paired"]["candidates"]["dlfp"]["exact_output_agreement"] is True
+    assert paired["sweep"]["x_metric"] == "bg_prefill_tok_s_fg_active"
+    config = json.loads((out / "config.json").read_text())
+    assert config["args"]["seeds"] == [5, 6] and list(config["models"].values())[0]["sha256"]
+    assert "dlfp vs unbounded" in result.output
+
+    report = CliRunner().invoke(main, ["report", str(out), "--no-table"], catch_exceptions=False)
+    assert report.exit_code == 0, report.output
+    for png in ("itl_cdf.png", "ttft_vs_p99_itl.png", "dlfp_cap_timeline.png", "sweep.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+    again = tmp_path / "again"
+    rerun = CliRunner().invoke(main, ["bench", "--from", str(out / "config.json"), "--out", str(again)],
+                               catch_exceptions=False)
+    assert rerun.exit_code == 0, rerun.output
+    rows2 = [json.loads(line) for line in (again / "trials.jsonl").read_text().splitlines()]
+    assert [r["fingerprint"] for r in rows2] == [r["fingerprint"] for r in rows]
+    first = read_requests(out / "requests-5-dlfp.jsonl")
+    second = {r.request_id: r.output_ids for r in read_requests(again / "requests-5-dlfp.jsonl")}
+    assert all(second[r.request_id] == r.output_ids for r in first)
+
+
+def test_bad_inputs_give_one_line(tiny_gguf, tmp_path):
+    from click.testing import CliRunner
+
+    from dlfp.cli import main
+
+    base = ["bench", "--model", str(tiny_gguf), "--threads", "1", "--out", str(tmp_path)]
+    for extra, needle in ((["--workload", "nope"], "unknown workload"),
+                          (["--workload", "agent"], "--scale"),
+                          (["--policies", "unbounded,bogus"], "unknown policy"),
+                          (["--endpoint", "novalue"], "LABEL=URL")):
+        r = CliRunner().invoke(main, base + extra)
+        assert r.exit_code != 0 and needle in r.output and "Traceback" not in r.output
+
+
+def test_overhead_against_llama_cpp_python(tiny_gguf):
+    from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+    from dlfp.bench.overhead import measure_overhead
+    from dlfp.devices.profiles import load_profile
+
+    backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), n_ctx=2048, n_seq_max=4, n_batch=128, n_threads=1))
+    try:
+        out = measure_overhead(backend, load_profile("cpu-laptop"), prompt_len=24, n_tokens=16, repeats=1)
+    finally:
+        backend.close()
+    d, c = out["decode"], out["control"]
+    assert d["engine_median_tok_s"] > 0 and d["llama_cpp_python_median_tok_s"] > 0 and d["ratio"] > 0
+    assert d["same_tokens"]  # both loops greedy on the same model: identical ids
+    assert c["capped_steps"] > 0 and 0 < c["share_of_step_mean"] < 1
