@@ -43,10 +43,13 @@ class TokenEvent:
 class RequestHandle:
     """What `submit` returns: stream tokens, wait for the record, or cancel."""
 
-    def __init__(self, engine: "Engine", request: Request):
+    def __init__(
+        self, engine: "Engine", request: Request, on_event: Callable[[TokenEvent], None] | None = None
+    ):
         self.request = request
         self._engine = engine
         self._events: queue.Queue[TokenEvent] = queue.Queue()
+        self._on_event = on_event
         self._done = threading.Event()
         self.record: RequestRecord | None = None
 
@@ -78,6 +81,8 @@ class RequestHandle:
 
     def _deliver(self, ev: TokenEvent) -> None:
         self._events.put(ev)
+        if self._on_event is not None:
+            self._on_event(ev)  # runs on the engine thread: must be quick and must not raise
 
     def _finish(self, record: RequestRecord) -> None:
         self.record = record
@@ -151,10 +156,16 @@ class Engine:
             self._thread.start()
         return self
 
-    def submit(self, request: Request) -> RequestHandle:
-        """Queue a request; raises InvalidRequest (and records it) if it cannot run."""
+    def submit(
+        self, request: Request, on_event: Callable[[TokenEvent], None] | None = None
+    ) -> RequestHandle:
+        """Queue a request; raises InvalidRequest (and records it) if it cannot run.
+
+        `on_event`, if given, also receives every event as it is delivered (on the
+        engine thread), so an event loop can be woken without a thread per request.
+        """
         now = self.clock()
-        handle = RequestHandle(self, request)
+        handle = RequestHandle(self, request, on_event)
         caps = self.backend.capabilities
         try:
             if request.request_id in self._handles:

@@ -40,7 +40,7 @@ else
 fi
 
 EXTRAS="llamacpp"
-[ "$ALL" = 1 ] && EXTRAS="llamacpp,test"
+[ "$ALL" = 1 ] && EXTRAS="llamacpp,test,server"
 log "installing dlfp[$EXTRAS]"
 "${PIP[@]}" --find-links "$WHEELS" --only-binary llama-cpp-python -e ".[$EXTRAS]"
 

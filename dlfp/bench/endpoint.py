@@ -1,0 +1,199 @@
+"""A benchmark target for any OpenAI-compatible server (dlfp serve, llama.cpp's
+server, vLLM, Ollama): the same workloads, timed on the client.
+
+Each request streams from /v1/completions with its exact prompt token ids,
+`ignore_eos` (a vLLM extension most servers accept) and greedy sampling, and is
+timed as `vllm bench serve` times it: TTFT when the first chunk with choices
+arrives, one ITL per further such chunk. The `priority` class is sent only to a
+server that takes it (one whose /v1/models says `owned_by: dlfp`), since vLLM
+reads an integer there and others may refuse the field.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import httpx
+
+from dlfp.sequence import Request
+from dlfp.trace import RequestRecord, Trace
+
+DLFP_OWNER = "dlfp"
+UNKNOWN_TOKEN = -1  # the server did not say which token it sent (only how many)
+
+
+class EndpointHandle:
+    def __init__(self, request_id: str, future: Future):
+        self.request_id = request_id
+        self._future = future
+
+    def result(self, timeout: float | None = None) -> RequestRecord:
+        return self._future.result(timeout)
+
+
+class EndpointTarget:
+    """RunTarget over HTTP. `base_url` is the API root, e.g. http://127.0.0.1:8000/v1."""
+
+    def __init__(self, base_url: str, model: str | None = None, label: str = "endpoint",
+                 send_priority: bool | None = None, timeout_s: float = 600.0, max_concurrency: int = 64):
+        self.base_url = _api_root(base_url)
+        self.model = model
+        self.label = label
+        self.send_priority = send_priority
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self.policy: str | None = None
+        self.server: dict = {}
+        self._client: httpx.Client | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._trace: Trace | None = None
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+
+    def open(self, policy: str) -> None:
+        """`policy` is whatever the server was started with: recorded, not applied."""
+        self.policy = policy
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        self._client = httpx.Client(base_url=self.base_url, limits=limits,
+                                    timeout=httpx.Timeout(self.timeout_s, connect=10.0))
+        self._probe()
+        self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix=f"dlfp-{self.label}")
+        self._trace = Trace(origin=time.perf_counter())
+        self._futures = []
+
+    def submit(self, request: Request) -> EndpointHandle:
+        assert self._pool is not None, "open() first"
+        arrival = time.perf_counter()
+        future = self._pool.submit(self._run, request, arrival)
+        with self._lock:
+            self._futures.append(future)
+        return EndpointHandle(request.request_id, future)
+
+    def close(self) -> Trace:
+        assert self._pool is not None and self._trace is not None, "open() first"
+        self._pool.shutdown(wait=True)
+        self._client.close()
+        trace, self._trace, self._pool, self._client = self._trace, None, None, None
+        return trace
+
+    def describe(self) -> dict:
+        return {"name": "endpoint", "label": self.label, "base_url": self.base_url, "model": self.model,
+                "server_policy": self.policy, "send_priority": self.send_priority, "server": self.server,
+                "timing": "client: chunk arrival times (vllm bench serve definitions)"}
+
+    # -- internals ---------------------------------------------------------
+    def _probe(self) -> None:
+        try:
+            r = self._client.get("/models")
+            r.raise_for_status()
+            cards = r.json().get("data") or []
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{self.base_url}/models did not answer as an OpenAI-compatible server: {exc}") from None
+        if not cards:
+            raise ValueError(f"{self.base_url}/models lists no model")
+        ids = [c.get("id") for c in cards]
+        if self.model is None:
+            self.model = ids[0]
+        elif self.model not in ids:
+            raise ValueError(f"model {self.model!r} is not served at {self.base_url} (it has {ids})")
+        card = cards[ids.index(self.model)]
+        self.server = {"owned_by": card.get("owned_by"), "max_model_len": card.get("max_model_len")}
+        is_dlfp = card.get("owned_by") == DLFP_OWNER
+        if self.send_priority is None:
+            self.send_priority = is_dlfp
+        self._token_ids = is_dlfp  # dlfp (like recent vLLM) returns token ids on request
+
+    def _body(self, request: Request) -> dict:
+        body = {"model": self.model, "prompt": request.prompt_ids, "max_tokens": request.max_tokens,
+                "temperature": request.sampling.temperature, "top_p": request.sampling.top_p,
+                "ignore_eos": request.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+        if request.sampling.seed is not None:
+            body["seed"] = request.sampling.seed
+        if self.send_priority:
+            body["priority"] = request.priority
+        if self._token_ids:
+            body["return_token_ids"] = True
+        return body
+
+    def _run(self, request: Request, arrival: float) -> RequestRecord:
+        got = _Stream()
+        try:
+            with self._client.stream("POST", "/completions", json=self._body(request)) as r:
+                if r.status_code != 200:
+                    r.read()
+                    got.error = f"HTTP {r.status_code}: {_error_message(r)}"
+                else:
+                    got.read(r.iter_lines())
+        except httpx.HTTPError as exc:
+            got.error = f"{type(exc).__name__}: {exc}"
+        record = got.record(request, arrival)
+        self._trace.add_request(record)
+        return record
+
+
+class _Stream:
+    """What one SSE response carried, timed as each chunk arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.ids: list[int] = []
+        self.usage_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def read(self, lines) -> None:
+        for line in lines:
+            if not line.startswith("data:"):
+                continue  # blank separators, comments, `event:` lines
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                self.error = f"the server sent a chunk that is not JSON: {data[:80]!r}"
+                return
+            if "error" in chunk:
+                err = chunk["error"]
+                self.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                return
+            if chunk.get("choices"):
+                choice = chunk["choices"][0]
+                self.times.append(now)
+                self.ids.extend(choice.get("token_ids") or [])
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            if chunk.get("usage"):
+                self.usage_tokens = chunk["usage"].get("completion_tokens")
+        if self.error is None and self.finish_reason is None:
+            self.error = "the stream ended without a finish reason"
+
+    def record(self, request: Request, arrival: float) -> RequestRecord:
+        n_out = self.usage_tokens if self.usage_tokens is not None else len(self.times)
+        ids = self.ids if len(self.ids) == n_out else [UNKNOWN_TOKEN] * n_out
+        return RequestRecord(
+            request_id=request.request_id, priority=request.priority, tag=request.tag, arrival_s=arrival,
+            prompt_len=len(request.prompt_ids), output_ids=ids, token_times=list(self.times),
+            finish_reason=self.finish_reason if self.error is None else "error", error=self.error,
+            finished_s=time.perf_counter(),
+        )
+
+
+def _api_root(url: str) -> str:
+    """Accept http://host:port (adds /v1) or the API root itself."""
+    url = url.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    return url + "/v1" if parts.path in ("", "/") else url
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        err = r.json()["error"]
+        return err["message"] if isinstance(err, dict) else str(err)
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]

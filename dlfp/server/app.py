@@ -1,0 +1,150 @@
+"""The ASGI application: routes, error bodies, and the engine's lifetime."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from dlfp.backends.protocol import BackendError
+from dlfp.engine import Engine
+from dlfp.server.bridge import EngineBridge
+from dlfp.server.completions import make_job, resolve_priority, respond
+from dlfp.server.errors import APIError, bad_request
+from dlfp.server.metrics import ServerMetrics
+from dlfp.server.schemas import ChatRequest, CompletionRequest, parse, unknown_model
+
+log = logging.getLogger("dlfp.server")
+OWNED_BY = "dlfp"  # how a client (dlfp's endpoint bench) recognises a server that takes `priority`
+TRACE_KEEP = 4096  # a server runs for days: keep only the latest step/request records
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_name: str
+    policy: str
+    max_queue: int
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.engine)
+        self.bridge = EngineBridge(self.engine, self.metrics, self.max_queue)
+        self.created = int(time.time())
+        self.engine.step_hooks.append(self._bound_trace)
+
+    @property
+    def backend(self):
+        return self.engine.backend
+
+    def _bound_trace(self, _rec) -> None:  # engine thread, the trace's only regular writer
+        trace = self.engine.trace
+        for records in (trace.steps, trace.requests):
+            if len(records) > 2 * TRACE_KEEP:
+                del records[:-TRACE_KEEP]
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name != self.model_name:
+            raise unknown_model(name)
+        return self.model_name
+
+    def summarize_shutdown(self, aborted_now: list[str]) -> str:
+        outcome = dict(self.bridge.at_signal)
+        outcome.update({rid: "abort" for rid in aborted_now})
+        finished = sorted(r for r, why in outcome.items() if why in ("stop", "length"))
+        cut = sorted(r for r, why in outcome.items() if why not in ("stop", "length"))
+        return (f"shutdown: {len(outcome)} request(s) in flight at the signal; "
+                f"finished {len(finished)}: {', '.join(finished) or '-'}; "
+                f"aborted {len(cut)}: {', '.join(cut) or '-'}")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        yield
+        aborted = state.engine.shutdown(abort_pending=True, timeout=10.0)
+        log.warning(state.summarize_shutdown(aborted))
+
+    app = FastAPI(title="dlfp", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse(ChatRequest, await _body(state, request))
+        model = state.check_model(body.model)
+        priority = resolve_priority(body, request.headers.get("x-priority"))
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = await run_in_threadpool(state.backend.apply_chat_template, messages)
+        except BackendError as exc:
+            raise bad_request(f"{exc}; send a plain prompt to /v1/completions instead", param="messages") from None
+        except Exception as exc:  # the model's own Jinja template rejected these messages
+            raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
+        return await respond(state.bridge, make_job(state.backend, body, ids, priority, model, True), request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse(CompletionRequest, await _body(state, request))
+        model = state.check_model(body.model)
+        priority = resolve_priority(body, request.headers.get("x-priority"))
+        ids = await run_in_threadpool(_prompt_ids, state.backend, body.prompt)
+        return await respond(state.bridge, make_job(state.backend, body, ids, priority, model, False), request)
+
+    @app.get("/v1/models")
+    async def models():
+        caps = state.backend.capabilities
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": OWNED_BY,
+                "max_model_len": caps.context_per_sequence, "policy": state.policy}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        load = state.engine.load() | {"free_slots": len(state.engine.scheduler.free_slots),
+                                      "in_flight": len(state.bridge.in_flight)}
+        status = "draining" if state.bridge.draining else "ok"
+        return JSONResponse({"status": status, "policy": state.policy, **load},
+                            status_code=503 if state.bridge.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _body(state: ServerState, request: Request) -> bytes:
+    if state.bridge.draining:
+        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    return await request.body()
+
+
+def _prompt_ids(backend, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return backend.tokenize(prompt, add_special=True)
+    if all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if len(prompt) != 1:
+        raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt")
+    return _prompt_ids(backend, prompt[0])
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, exc: RequestValidationError):
+        return bad_request(str(exc)).response()

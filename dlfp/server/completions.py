@@ -1,0 +1,224 @@
+"""/v1/completions and /v1/chat/completions: a parsed body in, an OpenAI response out."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from dlfp.backends.protocol import Backend
+from dlfp.engine import InvalidRequest, TokenEvent
+from dlfp.sequence import BACKGROUND, FOREGROUND, PRIORITIES, Request, SamplingParams
+from dlfp.server.bridge import EngineBridge, Submitted
+from dlfp.server.errors import APIError, bad_request
+from dlfp.server.schemas import _Common
+from dlfp.server.text import TextStream
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # what the OpenAI API does when temperature is omitted
+
+
+@dataclass
+class Job:
+    """One accepted request and how its answer is formatted."""
+
+    chat: bool
+    body: _Common
+    backend: Backend
+    model: str
+    request: Request
+    created: int
+
+    @property
+    def id(self) -> str:
+        return self.request.request_id
+
+    def is_last(self, token_id: int, n_out: int) -> bool:
+        """Whether the engine will end the request on this token (max_tokens or EOS;
+        make_job keeps prompt + max_tokens within the context)."""
+        req = self.request
+        return n_out >= req.max_tokens or (not req.ignore_eos and self.backend.is_eos(token_id))
+
+    def chunk(self, text: str | None, token_ids: list[int] | None, finish_reason: str | None = None) -> dict:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if self.body.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        out = self._envelope(".chunk" if self.chat else "", [choice])
+        if self.body.include_usage:
+            out["usage"] = None  # as OpenAI: null on every chunk but the last
+        return out
+
+    def role_chunk(self) -> dict:
+        out = self.chunk(None, None)
+        out["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return out
+
+    def usage_chunk(self, n_out: int) -> dict:
+        return self._envelope(".chunk" if self.chat else "", []) | {"usage": self.usage(n_out)}
+
+    def final(self, text: str, token_ids: list[int], finish_reason: str) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.body.return_token_ids:
+            choice["token_ids"] = token_ids
+        return self._envelope("", [choice]) | {"usage": self.usage(len(token_ids))}
+
+    def usage(self, n_out: int) -> dict:
+        n_in = len(self.request.prompt_ids)
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+    def _envelope(self, suffix: str, choices: list[dict]) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + suffix
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+
+def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: str, model: str, chat: bool) -> Job:
+    """Check the sizes and sampling settings; every problem is a 400 naming its field."""
+    context = backend.capabilities.context_per_sequence
+    n_in = len(prompt_ids)
+    if n_in == 0:
+        raise bad_request("the prompt is empty", param="messages" if chat else "prompt")
+    if n_in >= context:
+        raise bad_request(f"the prompt has {n_in} tokens; this server's context is {context} tokens per sequence",
+                          param="messages" if chat else "prompt", code="context_length_exceeded")
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    n_out = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    n_out = context - n_in if n_out is None else n_out
+    if n_out < 1:
+        raise bad_request(f"{param} must be at least 1, got {n_out}", param=param)
+    if n_in + n_out > context:
+        raise bad_request(f"{param}={n_out} plus the prompt's {n_in} tokens exceeds the context of {context} "
+                          f"tokens per sequence", param=param, code="context_length_exceeded")
+    temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    sampling = SamplingParams(temperature, 1.0 if body.top_p is None else body.top_p, body.seed)
+    prefix = "chatcmpl" if chat else "cmpl"
+    request = Request(prompt_ids, n_out, priority, sampling, body.ignore_eos,
+                      request_id=f"{prefix}-{uuid.uuid4().hex[:24]}", tag="http")
+    return Job(chat, body, backend, model, request, int(time.time()))
+
+
+def resolve_priority(body: _Common, header: str | None) -> str:
+    value = body.priority if body.priority is not None else header
+    if value is None:
+        return FOREGROUND
+    if isinstance(value, int):
+        return FOREGROUND if value <= 0 else BACKGROUND  # vLLM: a lower value runs first
+    name = value.strip().lower()
+    if name not in PRIORITIES:
+        raise bad_request(f"X-Priority must be one of {list(PRIORITIES)}, got {value!r}", param="priority")
+    return name
+
+
+async def respond(bridge: EngineBridge, job: Job, http: HTTPRequest) -> Response:
+    try:
+        sub = bridge.submit(job.request)
+    except InvalidRequest as exc:
+        raise bad_request(str(exc)) from None
+    text = TextStream(bridge.engine.backend, job.body.stop_list())
+    if job.body.stream:
+        return StreamingResponse(_stream(job, sub, text), media_type="text/event-stream",
+                                 background=BackgroundTask(sub.cancel))
+    return await _collect(job, sub, text, http)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(job: Job, sub: Submitted, text: TextStream) -> AsyncIterator[str]:
+    """One chunk per token (empty text while a character is incomplete), the finish
+    reason on the last token's chunk: the client's chunk times are token times, as
+    `vllm bench serve` assumes."""
+    n_out = 0
+    try:
+        if job.chat:
+            yield _sse(job.role_chunk())
+        while True:
+            ev = await sub.next()
+            piece, ids, end = "", None, ev
+            if ev.token_id is not None:
+                n_out += 1
+                piece, ids = text.push(ev.token_id), [ev.token_id]
+                end = _stopped(ev) if text.stopped else await sub.final(job.is_last(ev.token_id, n_out))
+            if end is None:
+                yield _sse(job.chunk(piece, ids))
+                continue
+            reason, error = _outcome(end)
+            if error is not None:
+                if ids:
+                    yield _sse(job.chunk(piece, ids))
+                yield _sse(error.body())
+                break
+            piece += text.flush()
+            yield _sse(job.chunk(piece if (piece or ids) else None, ids, reason))
+            if job.body.include_usage:
+                yield _sse(job.usage_chunk(n_out))
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        sub.cancel()  # stopped early, or the client went away: free the sequence at the next step
+
+
+async def _collect(job: Job, sub: Submitted, text: TextStream, http: HTTPRequest) -> Response:
+    gather = asyncio.ensure_future(_gather(job, sub, text))
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not gather.done():
+            gather.cancel()
+            sub.cancel()
+    if not gather.done():
+        return Response(status_code=499)  # nobody reads it: the client closed the connection
+    return JSONResponse(gather.result())
+
+
+async def _gather(job: Job, sub: Submitted, text: TextStream) -> dict:
+    parts, ids = [], []
+    while True:
+        ev = await sub.next()
+        if ev.token_id is not None:
+            ids.append(ev.token_id)
+            parts.append(text.push(ev.token_id))
+            if not text.stopped:
+                continue
+            sub.cancel()
+            ev = _stopped(ev)
+        reason, error = _outcome(ev)
+        if error is not None:
+            raise error
+        parts.append(text.flush())
+        return job.final("".join(parts), ids, reason)
+
+
+def _stopped(ev: TokenEvent) -> TokenEvent:
+    """A stop string ended the text: the request is over for the client (we cancel it)."""
+    return TokenEvent(ev.request_id, None, ev.t, "stop")
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _outcome(ev: TokenEvent) -> tuple[str, APIError | None]:
+    reason = ev.finish_reason or "error"
+    if reason in ("stop", "length"):
+        return reason, None
+    if reason == "abort":
+        return reason, APIError(503, "the request was aborted: the server is shutting down",
+                                type="server_error", code="aborted")
+    return reason, APIError(500, f"the engine failed this request: {ev.error}", type="server_error")

@@ -1,0 +1,116 @@
+"""Request bodies of the OpenAI API that dlfp serves, validated strictly.
+
+Unknown fields are accepted and ignored (clients send many), but a known field
+of the wrong type is a 400 naming that field. vLLM's extensions that benchmarks
+rely on are understood: `ignore_eos`, `return_token_ids`, an integer `priority`.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dlfp.server.errors import APIError, bad_request
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    # dlfp's class name, or vLLM's integer priority (lower runs first: <= 0 is foreground).
+    priority: Literal["foreground", "background"] | int | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def unsupported(self) -> str | None:
+        """The name of a requested feature dlfp does not have (a 400), or None."""
+        return None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs:
+            return "logprobs"
+        return "tools" if self.tools else None
+
+
+class CompletionRequest(_Common):
+    # A string, token ids, or a one-element list of either (`vllm bench serve` sends ids).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.echo:
+            return "echo"
+        return "suffix" if self.suffix else None
+
+
+def parse(model: type[_Common], raw: bytes) -> _Common:
+    """Validate a JSON body; any problem becomes a 400 naming the offending field."""
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise bad_request(f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
+        if err["type"] == "model_type" or not err["loc"]:
+            raise bad_request("the body must be a JSON object") from None
+        param = str(err["loc"][0])  # the top-level field (deeper parts name union members too)
+        raise bad_request(f"{param}: {err['msg']}", param=param) from None
+    if body.n != 1:
+        raise bad_request("only n=1 is supported", param="n")
+    what = body.unsupported()
+    if what:
+        raise bad_request(f"{what} is not supported by dlfp serve", param=what)
+    return body
+
+
+def unknown_model(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
