@@ -165,7 +165,7 @@ def check_riding_chunk(backend: Backend) -> str | None:
     return f"{GREEDY_STEPS} greedy tokens equal with a {size}-token chunk of another sequence in each step"
 
 
-def check_isolation(backend: Backend) -> str:
+def check_isolation(backend: Backend) -> str | None:
     caps = backend.capabilities
     if caps.max_sequences < 2:
         return None
