@@ -47,7 +47,12 @@ def test_output_agreement_finds_a_changed_token():
         return TrialRun(1, arm, 0, t)
 
     runs = [run("unbounded", {"a": [1, 2], "b": [3, 4]}), run("dlfp", {"a": [1, 2], "b": [3, 5]})]
-    assert output_agreement(runs, "unbounded") == {"dlfp": {"compared": 2, "mismatches": ["b"]}}
+    assert output_agreement(runs, "unbounded") == {"dlfp": {"compared": 2, "mismatches": ["b"], "unverifiable": 0}}
+    blind = [run("a", {"x": [-1, -1]}), run("b", {"x": [-1, -1]})]  # a server that reports no token ids
+    assert output_agreement(blind, "a") == {"b": {"compared": 0, "mismatches": [], "unverifiable": 1}}
+    out = paired_table(rows_for([(100, 50)]), ["unbounded", "dlfp"], [0], Gate(),
+                       {0: {"dlfp": {"compared": 0, "mismatches": [], "unverifiable": 3}}})
+    assert out["candidates"]["dlfp"]["exact_output_agreement"] is False and not out["candidates"]["dlfp"]["gate_pass"]
 
 
 def rows_for(itl_pairs, fingerprint="f"):
@@ -191,3 +196,59 @@ def test_overhead_against_llama_cpp_python(tiny_gguf):
     assert d["engine_median_tok_s"] > 0 and d["llama_cpp_python_median_tok_s"] > 0 and d["ratio"] > 0
     assert d["same_tokens"]  # both loops greedy on the same model: identical ids
     assert c["capped_steps"] > 0 and 0 < c["share_of_step_mean"] < 1
+
+
+def test_arrivals_are_open_loop_and_warmups_closed_loop():
+    """Submissions follow the schedule even while earlier requests are still running."""
+    import threading
+    import time
+
+    from dlfp.bench.runner import Arm, run_trial
+
+    class SlowTarget:
+        label = "slow"
+
+        def open(self, policy):
+            self.trace, self.submits = Trace(origin=time.perf_counter()), []
+
+        def submit(self, request):
+            now = time.perf_counter()
+            self.submits.append((request.request_id, now))
+            done = threading.Event()
+            rec = record(request.request_id, request.max_tokens, t0=now)
+
+            def finish():
+                time.sleep(0.3)  # every request takes far longer than the gap between arrivals
+                self.trace.add_request(rec)
+                done.set()
+
+            threading.Thread(target=finish, daemon=True).start()
+
+            class Handle:
+                request_id = request.request_id
+
+                def result(self, timeout=None):
+                    done.wait(timeout)
+                    return rec
+
+            return Handle()
+
+        def close(self):
+            return self.trace
+
+        def describe(self):
+            return {}
+
+    spec = WorkloadSpec("t", "", (RequestClass("chat", FOREGROUND, 4, 3, count=4, rate=20.0),), SLO(), warmup=1)
+    sched = build_schedule(spec, 3, 1000)
+    target = SlowTarget()
+    run = run_trial(Arm("x", target, "x"), sched)
+    t_warm = dict(target.submits)["warmup-0"]
+    measured = [(rid, t) for rid, t in target.submits if rid != "warmup-0"]
+    assert measured[0][1] - t_warm >= 0.3  # the warmup finished before the measured run began
+    start = measured[0][1]
+    for (rid, t), planned in zip(measured, sched.measured):
+        assert rid == planned.request_id
+        assert abs((t - start) - planned.arrival_s) < 0.1  # on schedule, not after the previous completion
+    assert run.max_submit_lag_s < 0.1
+    assert trial_row(run, sched, spec)["reconciled"]

@@ -50,6 +50,8 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
         fg_metrics[f"fg_{key}"] = fg_metrics.pop(key)
     row.update(fg_metrics)
     row["bg_completed"] = sum(1 for r in bg if r.request_id in done_ids)
+    if not run.trace.steps:  # a target that cannot see its steps (an endpoint) has no step figures
+        steps = None
     row["prefill_tok_s"] = _rate(steps, ("n_prefill_fg", "n_prefill_bg"), [(start, end)])
     row["bg_prefill_tok_s"] = _rate(steps, ("n_prefill_bg",), [(start, end)]) if bg else None
     row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), _fg_windows(fg)) if bg else None
@@ -85,16 +87,17 @@ def _fg_windows(fg: list[RequestRecord]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _rate(steps: list[StepRecord], keys: tuple[str, ...], windows: list[tuple[float, float]]) -> float | None:
+def _rate(steps: list[StepRecord] | None, keys: tuple[str, ...], windows: list[tuple[float, float]]) -> float | None:
     """Prompt tokens per second over the windows (a step counts where it completed)."""
     length = sum(b - a for a, b in windows)
-    if length <= 0:
+    if steps is None or length <= 0:
         return None
     tokens = sum(sum(getattr(s, k) for k in keys) for s in steps if any(a <= s.t1 <= b for a, b in windows))
     return tokens / length
 
 
-def _step_stats(steps: list[StepRecord]) -> dict:
+def _step_stats(steps: list[StepRecord] | None) -> dict:
+    steps = steps or []
     capped = [s for s in steps if s.guarded and (s.n_prefill_fg or s.n_prefill_bg)]
     return {
         "steps": len(steps),
@@ -122,7 +125,8 @@ def _energy(run: TrialRun, start: float, end: float, records: list[RequestRecord
 def output_agreement(runs: list[TrialRun], baseline: str) -> dict[str, dict]:
     """Token ids of every request completed under both the baseline and each arm, compared.
 
-    Returns arm -> {"compared": n, "mismatches": [request ids]}.
+    Returns arm -> {"compared", "mismatches": [request ids], "unverifiable"}; a request
+    whose token ids a target could not report (negative ids) is unverifiable, not a match.
     """
     by_arm = {r.arm: {rec.request_id: rec for rec in r.trace.requests if rec.ok} for r in runs}
     base = by_arm.get(baseline, {})
@@ -131,6 +135,7 @@ def output_agreement(runs: list[TrialRun], baseline: str) -> dict[str, dict]:
         if arm == baseline:
             continue
         common = sorted(set(base) & set(recs))
-        bad = [rid for rid in common if base[rid].output_ids != recs[rid].output_ids]
-        out[arm] = {"compared": len(common), "mismatches": bad}
+        known = [rid for rid in common if min(base[rid].output_ids + recs[rid].output_ids, default=0) >= 0]
+        bad = [rid for rid in known if base[rid].output_ids != recs[rid].output_ids]
+        out[arm] = {"compared": len(known), "mismatches": bad, "unverifiable": len(common) - len(known)}
     return out

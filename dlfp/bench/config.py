@@ -40,6 +40,7 @@ class BenchArgs:
     overhead: bool = False
     gate_p99_itl_reduction: float | None = None
     endpoints: list[str] = field(default_factory=list)
+    vocab_size: int | None = None  # for endpoints that do not report theirs
     probe_period_s: float | None = 0.5
 
     @classmethod

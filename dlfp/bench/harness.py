@@ -100,7 +100,7 @@ def prepare(args: BenchArgs, open_backend: Callable, profile) -> Bench:
         params = vars(target.params)
     bench = Bench(args, spec, profile, arms, Path(args.out), itl_target, params)
     for arm in arms:
-        _check_fits(spec, arm)
+        _check_fits(spec, arm, args.vocab_size)
     return bench
 
 
@@ -113,7 +113,7 @@ def run(bench: Bench, on_request: Callable[[], None] | None = None,
     trials_path = out / "trials.jsonl"
     trials_path.write_text("")
     agreement: dict[int, dict] = {}
-    vocab = _limits(bench.arms[0].target)[0]
+    vocab = _limits(bench.arms[0].target, bench.args.vocab_size)[0]
     for i, seed in enumerate(bench.args.seeds):
         schedule = build_schedule(bench.spec, seed, vocab, bench.args.burstiness)
         order = bench.arms if i % 2 == 0 else list(reversed(bench.arms))
@@ -223,21 +223,22 @@ def _sim_backend(profile):
     )
 
 
-def _limits(target) -> tuple[int, int | None]:
-    """(vocabulary size, positions per sequence) of a target."""
+def _limits(target, vocab_size: int | None = None) -> tuple[int, int | None]:
+    """(vocabulary size, positions per sequence) of a target; `vocab_size` where it reports none."""
     backend = getattr(target, "backend", None)
     if backend is not None:
         caps = backend.capabilities
         return caps.vocab_size, caps.context_per_sequence
     desc = target.describe()
-    vocab = desc.get("vocab_size")
+    vocab = desc.get("vocab_size") or vocab_size
     if not vocab:
-        raise BenchError(f"target {target.label} does not report its vocabulary size: exact-token prompts need it")
-    return int(vocab), desc.get("context_per_sequence") or desc.get("max_model_len")
+        raise BenchError(f"target {target.label} does not report its vocabulary size, which exact-token "
+                         f"prompts need: pass --vocab-size N (the served model's)")
+    return int(vocab), desc.get("context_per_sequence") or (desc.get("server") or {}).get("max_model_len")
 
 
-def _check_fits(spec: WorkloadSpec, arm: Arm) -> None:
-    _, context = _limits(arm.target)
+def _check_fits(spec: WorkloadSpec, arm: Arm, vocab_size: int | None) -> None:
+    _, context = _limits(arm.target, vocab_size)
     need = spec.max_positions
     if context is not None and need >= context:
         fit = (context - 1) / need * spec.scale

@@ -55,7 +55,8 @@ def paired_table(rows: list[dict], arms: list[str], seeds: list[int], gate: Gate
 def _trial(base: dict, cand: dict, agree: dict | None, gate: Gate) -> dict:
     b, c = base.get(gate.metric), cand.get(gate.metric)
     reduction = (b - c) / b if b and c is not None else None
-    outputs_agree = agree is not None and not agree["mismatches"]
+    # Agreement must be shown, not assumed: nothing compared is not a pass.
+    outputs_agree = agree is not None and agree["compared"] > 0 and not agree["mismatches"]
     valid = (
         outputs_agree
         and base["reconciled"] and cand["reconciled"]
@@ -70,8 +71,9 @@ def _trial(base: dict, cand: dict, agree: dict | None, gate: Gate) -> dict:
         "seed": cand["seed"],
         "reduction": reduction,
         "outputs_agree": outputs_agree,
-        "tokens_compared": agree["compared"] if agree else 0,
+        "requests_compared": agree["compared"] if agree else 0,
         "mismatches": agree["mismatches"][:20] if agree else [],
+        "unverifiable": agree.get("unverifiable", 0) if agree else 0,
         "reconciled": base["reconciled"] and cand["reconciled"],
         "failed": base["failed"] + cand["failed"],
         "same_workload": base["fingerprint"] == cand["fingerprint"],

@@ -62,7 +62,8 @@ def paired_tables(result: dict, console: Console) -> None:
             red = "-" if t["reduction"] is None else f"{t['reduction'] * 100:.1f}%"
             console.print(
                 f"  seed {t['seed']}: {paired['gate']['metric']} reduction {red}; outputs agree "
-                f"{_fmt(t['outputs_agree'])} ({t['tokens_compared']} requests compared); accounted "
+                f"{_fmt(t['outputs_agree'])} ({t['requests_compared']} requests compared"
+                + (f", {t['unverifiable']} without token ids" if t.get("unverifiable") else "") + "); accounted "
                 f"{_fmt(t['reconciled'])}; failed {t['failed']} -> {'pass' if t['pass'] else 'FAIL'}"
             )
         verdict = "[green]PASS[/green]" if c["gate_pass"] else "[red]FAIL[/red]"
