@@ -271,6 +271,7 @@ def test_endpoint_target_refuses_a_dead_url():
 
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
     s = Server(model, "--policy", "unbounded", "--shutdown-grace", "2")
+    assert s.metric("dlfp_prefill_cap_tokens") != s.metric("dlfp_prefill_cap_tokens")  # NaN: no cap
     ends: dict[str, tuple[str, str]] = {}
 
     def run(name: str, n: int, started: threading.Event) -> None:

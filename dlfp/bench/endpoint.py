@@ -59,7 +59,7 @@ class EndpointTarget:
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         self._client = httpx.Client(base_url=self.base_url, limits=limits,
                                     timeout=httpx.Timeout(self.timeout_s, connect=10.0))
-        self._probe()
+        self._probe()  # again: the server may have been restarted under another policy
         self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix=f"dlfp-{self.label}")
         self._trace = Trace(origin=time.perf_counter())
         self._futures = []
@@ -80,14 +80,17 @@ class EndpointTarget:
         return trace
 
     def describe(self) -> dict:
+        if not self.server:
+            self._probe()
         return {"name": "endpoint", "label": self.label, "base_url": self.base_url, "model": self.model,
                 "server_policy": self.policy, "send_priority": self.send_priority, "server": self.server,
+                "vocab_size": self.server.get("vocab_size"),
                 "timing": "client: chunk arrival times (vllm bench serve definitions)"}
 
     # -- internals ---------------------------------------------------------
     def _probe(self) -> None:
         try:
-            r = self._client.get("/models")
+            r = httpx.get(f"{self.base_url}/models", timeout=10.0)
             r.raise_for_status()
             cards = r.json().get("data") or []
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
@@ -100,7 +103,7 @@ class EndpointTarget:
         elif self.model not in ids:
             raise ValueError(f"model {self.model!r} is not served at {self.base_url} (it has {ids})")
         card = cards[ids.index(self.model)]
-        self.server = {"owned_by": card.get("owned_by"), "max_model_len": card.get("max_model_len")}
+        self.server = {k: card.get(k) for k in ("owned_by", "max_model_len", "vocab_size", "policy")}
         is_dlfp = card.get("owned_by") == DLFP_OWNER
         if self.send_priority is None:
             self.send_priority = is_dlfp

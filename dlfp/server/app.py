@@ -101,7 +101,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def models():
         caps = state.backend.capabilities
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": OWNED_BY,
-                "max_model_len": caps.context_per_sequence, "policy": state.policy}
+                "max_model_len": caps.context_per_sequence, "vocab_size": caps.vocab_size, "policy": state.policy}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

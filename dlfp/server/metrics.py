@@ -31,8 +31,8 @@ class ServerMetrics:
         self.rejected = Counter("dlfp_requests_rejected", "Requests refused before the engine, per status code",
                                 ["status"], registry=r)
         load = engine.load
-        Gauge("dlfp_prefill_cap_tokens", "The policy's prefill cap for the next guarded step",
-              registry=r).set_function(lambda: load()["cap"])
+        Gauge("dlfp_prefill_cap_tokens", "The policy's prefill cap for the next guarded step (NaN: uncapped)",
+              registry=r).set_function(lambda: _or_nan(load()["cap"]))
         waiting = Gauge("dlfp_requests_waiting", "Requests queued for a sequence slot, per class",
                         ["priority"], registry=r)
         for p in PRIORITIES:
@@ -51,3 +51,7 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else float(value)
