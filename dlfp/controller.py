@@ -38,8 +38,13 @@ class PrefillPolicy(ABC):
     def cap(self) -> int | None:
         """Prompt-token cap for the next guarded step; None means no cap."""
 
-    def observe(self, latency_s: float) -> None:
-        """Latency of a guarded step that has completed."""
+    def observe(self, latency_s: float, cap: int | None = None) -> None:
+        """Latency of a guarded step that has completed.
+
+        `cap` is the cap that step was planned with, when the caller knows it and
+        it may differ from the current one (a pipelined engine such as vLLM's async
+        scheduling plans the next step before this one completes).
+        """
 
     def reset(self) -> None:
         """Nothing decodes any more: forget the interference state."""
@@ -122,10 +127,13 @@ class DLFP(PrefillPolicy):
     def cap(self) -> int | None:
         return self._cap
 
-    def observe(self, latency_s: float) -> None:
+    def observe(self, latency_s: float, cap: int | None = None) -> None:
         p = self.params
-        at_min = self._cap == p.minimum
-        self._cap = next_cap(self._cap, p.target_s, latency_s, p)
+        # Scale the cap the observed step ran with: scaling a cap that a later
+        # observation already moved would apply one correction twice.
+        base = self._cap if cap is None else cap
+        at_min = base == p.minimum
+        self._cap = next_cap(base, p.target_s, latency_s, p)
         # A miss at the minimum means even the smallest chunk cannot meet the
         # target (often: the decode alone is slower than the target).
         self._misses_at_min = self._misses_at_min + 1 if at_min and latency_s > p.target_s else 0

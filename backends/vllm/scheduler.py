@@ -1,0 +1,147 @@
+"""DLFP inside vLLM: scheduler subclasses that cap the prefill of steps that also decode.
+
+Use with `vllm serve MODEL --scheduler-cls dlfp.backends.vllm.scheduler.DLFPAsyncScheduler`
+(async scheduling, vLLM's default) or `...DLFPScheduler` with `--no-async-scheduling`.
+Parameters come from `--additional-config '{"dlfp": {...}}'` or `DLFP_*` environment
+variables (see `settings.py`). The scheduler lives in vLLM's engine core, once per
+engine, so tensor parallelism (`--tensor-parallel-size 2`) needs nothing more.
+
+What one `schedule()` does, while any running request is decoding:
+
+1. ask the policy for the cap c (total prompt tokens of the step, all requests together);
+2. put decoding requests first in `running` (stable), and lower vLLM's step token
+   budget `max_num_scheduled_tokens` to (decode tokens + c): decodes take their
+   tokens first, then running prefill chunks and newly admitted prompts share c;
+3. call vLLM's own `schedule()`;
+4. restore the budget and the order of `running` (survivors in their old order,
+   requests vLLM admitted this step appended, as vLLM appends them).
+
+When nobody decodes, nothing is touched: an isolated prefill gets vLLM's budget.
+`long_prefill_token_threshold` and the encoder budget are left as configured: the
+step budget alone bounds the total.
+
+Observation and the async lag: see `observer.py`. Under async scheduling an
+observation reaches the cap of the step after next at the earliest; each step is
+stamped with the cap it ran with and the policy scales that cap.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from typing import Any
+
+from dlfp.backends.vllm.version import check_vllm_version
+
+check_vllm_version()  # before touching vLLM internals: a clear message, not an AttributeError
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from dlfp.backends.vllm.observer import StepObserver  # noqa: E402
+from dlfp.backends.vllm.settings import settings_from  # noqa: E402
+from dlfp.trace import StepRecord  # noqa: E402
+
+
+class _DLFPMixin:
+    """The DLFP part shared by both scheduler classes; vLLM's class follows it in the MRO."""
+
+    # Injected by tests; perf_counter is CLOCK_MONOTONIC on Linux, comparable across processes.
+    clock = staticmethod(time.perf_counter)
+    _async: bool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        mode = bool(self.scheduler_config.async_scheduling)
+        if mode != self._async:
+            other = "DLFPAsyncScheduler" if mode else "DLFPScheduler"
+            raise ValueError(
+                f"{type(self).__name__} needs async scheduling {'on' if self._async else 'off'}, but vLLM has it "
+                f"{'on' if mode else 'off'}: use --scheduler-cls dlfp.backends.vllm.scheduler.{other}"
+            )
+        self.dlfp_settings = settings_from(self.vllm_config.additional_config)
+        self.dlfp_policy = self.dlfp_settings.make_policy()
+        self._trace_file = open(self.dlfp_settings.step_trace, "a") if self.dlfp_settings.step_trace else None
+        self.dlfp = StepObserver(self.dlfp_policy, lambda: self.clock(), self._write_step)
+        self._stamped: dict[int, SchedulerOutput] = {}  # keeps stamped outputs alive so ids stay unique
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        decodes = {r.request_id: n for r in self.running if (n := self._decode_tokens(r)) > 0}
+        t, cap = self.dlfp.begin(guarded=bool(decodes))
+        if cap is None:
+            out = super().schedule(*args, **kwargs)
+        else:
+            out = self._capped_schedule(sum(decodes.values()) + cap, decodes, args, kwargs)
+        n_decode = sum(out.num_scheduled_tokens.get(rid, 0) for rid in decodes)
+        self.dlfp.scheduled(id(out), t, bool(decodes), cap, n_decode, out.total_num_scheduled_tokens - n_decode)
+        self._stamped[id(out)] = out
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput):
+        self.dlfp.completed(id(scheduler_output))  # clock first: the output is back now
+        self._stamped.pop(id(scheduler_output), None)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def shutdown(self) -> None:
+        if self._trace_file is not None:
+            self._trace_file.close()
+            self._trace_file = None
+        super().shutdown()
+
+    def _capped_schedule(self, budget: int, decodes: dict[str, int], args: tuple, kwargs: dict) -> SchedulerOutput:
+        saved_budget, order = self.max_num_scheduled_tokens, list(self.running)
+        self.running.sort(key=lambda r: r.request_id not in decodes)  # stable: decodes first
+        self.max_num_scheduled_tokens = min(saved_budget, budget)
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = saved_budget
+            self._restore_order(order)
+
+    def _restore_order(self, order: list[Request]) -> None:
+        rank = {id(r): i for i, r in enumerate(order)}
+        kept = sorted((r for r in self.running if id(r) in rank), key=lambda r: rank[id(r)])
+        self.running[:] = kept + [r for r in self.running if id(r) not in rank]
+
+    def _decode_tokens(self, r: Request) -> int:
+        """Tokens vLLM will schedule for a decoding request this step (0: not decoding).
+
+        Mirrors the skips at the top of vLLM 0.32's running loop, so the budget
+        reserved for decodes is exactly what they take and no more goes to prefill.
+        """
+        if r.is_prefill_chunk:
+            return 0
+        if r.num_output_placeholders > 0 and (
+            r.num_computed_tokens + 2 - r.num_output_placeholders >= r.num_prompt_tokens + r.max_tokens
+        ):
+            return 0  # async: the step in flight already reaches max_tokens
+        if self.current_step + 1 < r.next_decode_eligible_step:
+            return 0  # pipeline-parallel decode stagger (schedule() increments current_step)
+        n = r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens
+        return max(0, min(n, self.max_model_len - r.num_computed_tokens - self.num_sampled_tokens_per_step))
+
+    def _write_step(self, rec: StepRecord) -> None:
+        if self._trace_file is not None:
+            self._trace_file.write(json.dumps(asdict(rec)) + "\n")
+            self._trace_file.flush()
+
+
+class DLFPScheduler(_DLFPMixin, Scheduler):
+    """DLFP over vLLM's synchronous scheduler (`--no-async-scheduling`)."""
+
+    _async = False
+
+
+class DLFPAsyncScheduler(_DLFPMixin, AsyncScheduler):
+    """DLFP over vLLM's async scheduler (vLLM's default)."""
+
+    _async = True
+
+
+def scheduler_class_name(async_scheduling: bool) -> str:
+    """The `--scheduler-cls` value for a given async-scheduling setting."""
+    cls = DLFPAsyncScheduler if async_scheduling else DLFPScheduler
+    return f"{cls.__module__}.{cls.__qualname__}"
