@@ -108,14 +108,14 @@ class EngineCore:
     sched: Scheduler
     base: float = 0.02
     per_token: float = 20e-6
-    cpu: float = 0.0005  # host time of one schedule() call
+    cpu: float = 0.0005  # host time between steps
     clock: Clock = field(default_factory=Clock)
     steps: list[Step] = field(default_factory=list)
     queue: deque = field(default_factory=deque)
     device_free: float = 0.0
 
     def __post_init__(self):
-        self.sched.clock = self.clock
+        self.sched.clock = self.clock  # the plug-in stamps steps with the simulated time
         self.asynch = isinstance(self.sched, AsyncScheduler)
 
     def step(self) -> None:
@@ -137,8 +137,8 @@ class EngineCore:
         running = {r.request_id for r in self.sched.running if not r.is_prefill_chunk}
         due = {r.request_id for r in self.sched.running if not r.is_prefill_chunk
                and r.num_output_tokens + r.num_output_placeholders < r.max_tokens}
+        self.clock.t += self.cpu  # the engine loop's host time before this call
         out = self.sched.schedule()
-        self.clock.t += self.cpu
         decodes = {rid for rid in out.num_scheduled_tokens if rid in running}
         n_prefill = out.total_num_scheduled_tokens - sum(out.num_scheduled_tokens[r] for r in decodes)
         start = max(self.clock.t, self.device_free)
@@ -345,3 +345,103 @@ def test_settings_precedence_and_errors():
         settings_from({"dlfp": {"taget_ms": 3}}, {})
     with pytest.raises(ValueError, match="unknown policy"):
         settings_from({}, {"DLFP_POLICY": "fast"})
+
+
+# --- the benchmark target (what can be checked without a GPU) -----------------------
+
+
+class FakeNvml:
+    """pynvml's calls the target uses, over a made-up process list."""
+
+    NVML_CLOCK_SM, NVML_CLOCK_MEM = 0, 2
+
+    def __init__(self, pids_per_gpu):
+        self.pids = pids_per_gpu
+
+    def nvmlDeviceGetCount(self):
+        return len(self.pids)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [type("P", (), {"pid": pid, "usedGpuMemory": 512 * 2**20})() for pid in self.pids[h]]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        return []
+
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H200"
+
+    def nvmlSystemGetDriverVersion(self):
+        return "570.00"
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return 1980 if kind == self.NVML_CLOCK_SM else 2619
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        return 1980
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        return 700000
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        raise RuntimeError("not supported")
+
+
+def test_target_refuses_unrelated_gpu_processes(tmp_path):
+    from dlfp.backends.vllm.gpu import GpuBusy, check_exclusive, describe_gpus, energy_mj
+    from dlfp.backends.vllm.target import VllmTarget, make_target, own_process_tree
+    from dlfp.devices.profiles import load_profile
+
+    mine = own_process_tree()
+    check_exclusive(FakeNvml([sorted(mine)]), mine)  # only our own processes: fine
+    make_target(str(tmp_path), load_profile("a100-paper"), nvml=FakeNvml([sorted(mine), []]))
+    with pytest.raises(GpuBusy, match="pid 4242 on GPU 1 \\(512 MiB\\)"):
+        make_target(str(tmp_path), load_profile("a100-paper"), nvml=FakeNvml([[], [4242]]))
+    target = VllmTarget(str(tmp_path), load_profile("a100-paper"), nvml=FakeNvml([[4243]]))
+    with pytest.raises(GpuBusy, match="pid 4243"):  # checked again before each engine start
+        target.open("dlfp")
+    gpus = describe_gpus(FakeNvml([[]]))
+    assert gpus["driver"] == "570.00" and gpus["gpus"][0]["name"] == "NVIDIA H200"
+    assert gpus["gpus"][0]["power_limit_w"] == 700.0 and energy_mj(FakeNvml([[]])) == {}
+    with pytest.raises(ValueError, match="--model"):
+        make_target(None, load_profile("a100-paper"))
+
+
+def test_target_engine_args_per_policy():
+    from dlfp.backends.vllm.settings import PluginSettings
+    from dlfp.backends.vllm.target import engine_args
+    from dlfp.devices.profiles import load_profile
+
+    prof = load_profile("a100-paper")
+    params = prof.dlfp_params()
+    stock = engine_args("m", prof, PluginSettings("unbounded", params))
+    assert "scheduler_cls" not in stock and "additional_config" not in stock
+    assert (stock["dtype"], stock["max_model_len"], stock["max_num_seqs"], stock["max_num_batched_tokens"],
+            stock["enable_prefix_caching"]) == ("bfloat16", 18000, 64, 8192, False)
+    for policy in ("dlfp", "dlfp-cadence"):
+        args = engine_args("m", prof, PluginSettings(policy, params, "/tmp/s.jsonl"), async_scheduling=False)
+        assert args["scheduler_cls"] == scheduler_class_name(False)
+        # What the engine core will read back: the same policy and parameters.
+        back = settings_from(args["additional_config"], {})
+        assert (back.policy, back.params, back.step_trace) == (policy, params, "/tmp/s.jsonl")
+    assert engine_args("m", prof, PluginSettings("dlfp", params), extra={"enforce_eager": True})["enforce_eager"]
+    with pytest.raises(ValueError, match="unknown policy"):
+        engine_args("m", prof, PluginSettings("fastest", params))
+
+
+def test_step_trace_from_the_engine_core(model_dir, tmp_path):
+    from dlfp.trace import read_steps
+
+    path = tmp_path / "steps.jsonl"
+    core = EngineCore(make_scheduler(model_dir, DLFPAsyncScheduler, budget=2048, threshold=512,
+                                     dlfp={"policy": "fixed:300", "step_trace": str(path)}))
+    chat_then_documents(core)
+    core.sched.shutdown()
+    recs = read_steps(path)
+    ran = [s for s in core.steps if s.tokens]
+    assert len(recs) == len(ran)
+    assert [r.duration_s for r in recs] == pytest.approx([s.done - s.start for s in ran])
+    assert all(r.cap == 300 and r.n_prefill_fg <= 300 for r in recs if r.guarded)
+    assert [r.n_prefill_fg for r in recs] == [s.n_prefill for s in ran]

@@ -60,29 +60,32 @@ class StepObserver:
         self.sink = sink
         self._pending: dict[Hashable, Stamp] = {}
         self._epoch = 0
-        self._prev_call: float | None = None  # last non-empty schedule() (cadence)
+        self._call = 0.0  # when the current schedule() call began
+        self._prev_call: float | None = None  # when the last non-empty schedule() began (cadence)
         self._prev_capped = False
         self._prev_done: float | None = None  # last completed non-empty step (completion)
         self.last_observed: float | None = None
 
-    def begin(self, guarded: bool) -> tuple[float, int | None]:
+    def begin(self, guarded: bool) -> int | None:
         """At the start of schedule(): the cadence observation, then the cap (None: vLLM's own budget)."""
         t = self.clock()
+        self._call = t
         if self.policy.source == CADENCE and self._prev_capped and self._prev_call is not None:
             self.last_observed = t - self._prev_call
             self.policy.observe(self.last_observed)
         if not guarded:
             self.policy.reset()
             self._epoch += 1
-            return t, None
-        return t, self.policy.cap()
+            return None
+        return self.policy.cap()
 
-    def scheduled(self, key: Hashable, t: float, guarded: bool, cap: int | None, n_decode: int, n_prefill: int) -> Stamp:
-        stamp = Stamp(t, guarded, cap, n_decode, n_prefill, self._epoch)
+    def scheduled(self, key: Hashable, guarded: bool, cap: int | None, n_decode: int, n_prefill: int) -> Stamp:
+        """At the end of schedule(): the step can start on the device from now."""
+        stamp = Stamp(self.clock(), guarded, cap, n_decode, n_prefill, self._epoch)
         if stamp.empty:
             self._prev_call, self._prev_capped = None, False
         else:
-            self._prev_call, self._prev_capped = t, stamp.capped
+            self._prev_call, self._prev_capped = self._call, stamp.capped
         if len(self._pending) >= MAX_PENDING:
             self._pending.pop(next(iter(self._pending)))
         self._pending[key] = stamp

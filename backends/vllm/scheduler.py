@@ -70,13 +70,13 @@ class _DLFPMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         decodes = {r.request_id: n for r in self.running if (n := self._decode_tokens(r)) > 0}
-        t, cap = self.dlfp.begin(guarded=bool(decodes))
+        cap = self.dlfp.begin(guarded=bool(decodes))
         if cap is None:
             out = super().schedule(*args, **kwargs)
         else:
             out = self._capped_schedule(sum(decodes.values()) + cap, decodes, args, kwargs)
         n_decode = sum(out.num_scheduled_tokens.get(rid, 0) for rid in decodes)
-        self.dlfp.scheduled(id(out), t, bool(decodes), cap, n_decode, out.total_num_scheduled_tokens - n_decode)
+        self.dlfp.scheduled(id(out), bool(decodes), cap, n_decode, out.total_num_scheduled_tokens - n_decode)
         self._stamped[id(out)] = out
         return out
 

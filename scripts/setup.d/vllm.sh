@@ -19,10 +19,14 @@ TORCH_VERSION=2.13.0
 # plug-in, and adding what was missing until nothing was.
 LIGHT="regex pydantic cbor2 pyzmq transformers aiohttp openai pybase64 cachetools
 prometheus_client msgspec cloudpickle py-cpuinfo xgrammar fastapi partial-json-parser
-llguidance einops"
+llguidance einops openai-harmony uvloop"
 
 log() { printf '[setup vllm] %s\n' "$*" >&2; }
 PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+# pip lists every GPU dependency of vLLM left out on purpose: drop those lines only.
+pip_lean() {
+  "${PIP[@]}" "$@" 2> >(grep -v -e "^vllm $VLLM_VERSION requires" -e "dependency resolver does not currently" >&2)
+}
 export VLLM_TARGET_DEVICE=cpu
 
 have_all() {
@@ -47,7 +51,7 @@ fi
 log "installing torch $TORCH_VERSION (CPU) and vllm $VLLM_VERSION without dependencies"
 # torch first and on its own: the local find-links hold its CPU build.
 "${PIP[@]}" "torch==$TORCH_VERSION"
-"${PIP[@]}" --no-deps "vllm==$VLLM_VERSION"
+pip_lean --no-deps "vllm==$VLLM_VERSION"
 
 # The light dependencies, each with the version specifier vLLM's metadata gives it
 # (extras and environment markers dropped: only x86-64/aarch64 Linux is targeted).
@@ -68,6 +72,6 @@ for name in sorted(wanted):  # not named by vLLM (pulled in indirectly): any ver
 EOF
 )
 log "installing ${#SPECS[@]} light dependencies"
-"${PIP[@]}" "${SPECS[@]}"
+pip_lean "${SPECS[@]}"
 have_all || { log "lean vLLM install incomplete"; exit 1; }
 log "vllm $VLLM_VERSION ready (CPU, scheduler only)"

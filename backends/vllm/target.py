@@ -1,0 +1,229 @@
+"""vLLM in-process as a benchmark target: the paper's A100 reproduction, same harness and files.
+
+`make_target(model, profile)` gives a RunTarget (see dlfp/bench/target.py). Each
+`open(policy)` starts a fresh AsyncLLM with the paper's settings (BF16, max model
+len, max sequences and batch budget from the profile: 18,000 / 64 / 8,192 for
+`a100-paper`; prefix caching off) and the scheduler the policy asks for:
+`unbounded` is stock vLLM, `dlfp` the plug-in timed by completions, `dlfp-cadence`
+the plug-in timed by the paper's scheduler-call interval, `fixed:N` a static cap.
+Requests go in as token ids; each streamed token is stamped on arrival. The
+plug-in's per-step records come back through a JSONL file (the scheduler runs in
+vLLM's engine-core process). Before starting, the target refuses to run when
+unrelated processes hold a GPU, and it records the GPU, driver, clocks and the
+NVML energy counter around each run.
+
+Extra engine arguments (e.g. `{"enforce_eager": true}` for a quick check) can be
+given as JSON in `DLFP_VLLM_ENGINE_ARGS`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from dlfp.backends.vllm.gpu import check_exclusive, describe_gpus, energy_mj
+from dlfp.backends.vllm.settings import PluginSettings
+from dlfp.backends.vllm.version import SUPPORTED_VLLM
+from dlfp.controller import parse_policy
+from dlfp.devices.profiles import DeviceProfile
+from dlfp.sequence import Request
+from dlfp.trace import RequestRecord, Trace, read_steps
+
+ENGINE_ARGS_ENV = "DLFP_VLLM_ENGINE_ARGS"
+SCHEDULER_MODULE = "dlfp.backends.vllm.scheduler"
+
+
+def engine_args(model: str, profile: DeviceProfile, settings: PluginSettings, *, tensor_parallel_size: int = 1,
+                async_scheduling: bool = True, extra: dict | None = None) -> dict:
+    """Keyword arguments for vLLM's AsyncEngineArgs under one policy (no vLLM import)."""
+    parse_policy(settings.policy, settings.params)  # a bad policy fails before any GPU work
+    args = {
+        "model": model,
+        "dtype": "bfloat16",
+        "max_model_len": profile.n_ctx,
+        "max_num_seqs": profile.n_seq_max,
+        "max_num_batched_tokens": profile.n_batch,
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": tensor_parallel_size,
+        "async_scheduling": async_scheduling,
+        "seed": 0,
+    }
+    if settings.policy != "unbounded":  # unbounded: stock vLLM, no plug-in at all
+        cls = "DLFPAsyncScheduler" if async_scheduling else "DLFPScheduler"
+        args["scheduler_cls"] = f"{SCHEDULER_MODULE}.{cls}"
+        args["additional_config"] = settings.as_config()
+    return args | (extra or {})
+
+
+def own_process_tree() -> set[int]:
+    import psutil
+
+    me = psutil.Process()
+    return {me.pid, *(c.pid for c in me.children(recursive=True))}
+
+
+def _load_nvml():
+    try:
+        import pynvml
+    except ImportError:
+        raise RuntimeError("the vLLM target needs NVML: pip install 'dlfp[nvidia]'") from None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise RuntimeError(f"NVML could not start ({exc}): the vLLM target needs an NVIDIA GPU and driver") from None
+    return pynvml
+
+
+class _Handle:
+    def __init__(self, request_id: str, future: Future):
+        self.request_id = request_id
+        self._future = future
+
+    def result(self, timeout: float | None = None) -> RequestRecord:
+        return self._future.result(timeout)
+
+
+class VllmTarget:
+    label = "vllm"
+
+    def __init__(self, model: str, profile: DeviceProfile, itl_target_ms: float | None = None, *,
+                 tensor_parallel_size: int = 1, async_scheduling: bool = True, nvml=None):
+        self.model = model
+        self.profile = profile
+        self.params = profile.dlfp_params(itl_target_ms)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.async_scheduling = async_scheduling
+        self.extra = json.loads(os.environ.get(ENGINE_ARGS_ENV) or "{}")
+        self._nvml = nvml
+        self._engine = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._trace: Trace | None = None
+        self._pending: list[Future] = []
+        self._step_file: Path | None = None
+        self._energy0: dict[int, int] = {}
+        self._vocab: int | None = None
+
+    @property
+    def nvml(self):
+        if self._nvml is None:
+            self._nvml = _load_nvml()
+        return self._nvml
+
+    def settings(self, policy: str) -> PluginSettings:
+        return PluginSettings(policy, self.params, str(self._step_file) if self._step_file else None)
+
+    def open(self, policy: str) -> None:
+        check_exclusive(self.nvml, own_process_tree())
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        fd, path = tempfile.mkstemp(prefix="dlfp-vllm-steps-", suffix=".jsonl")
+        os.close(fd)
+        self._step_file = Path(path)
+        args = engine_args(self.model, self.profile, self.settings(policy), tensor_parallel_size=self.tensor_parallel_size,
+                           async_scheduling=self.async_scheduling, extra=self.extra)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dlfp-vllm-loop", daemon=True)
+        self._thread.start()
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        self._vocab = self._engine.model_config.get_vocab_size()
+        self._pending = []
+        self._energy0 = energy_mj(self.nvml)
+        self._trace = Trace(origin=time.perf_counter())
+        self._trace.note(f"vllm {policy}: scheduler {args.get('scheduler_cls', 'stock')}")
+
+    def submit(self, request: Request) -> _Handle:
+        assert self._engine is not None and self._loop is not None, "open() first"
+        if request.priority not in ("foreground", "background"):
+            raise ValueError(f"unknown priority {request.priority!r}")
+        future = asyncio.run_coroutine_threadsafe(self._generate(request, time.perf_counter()), self._loop)
+        self._pending.append(future)
+        return _Handle(request.request_id, future)
+
+    async def _generate(self, request: Request, arrival: float) -> RequestRecord:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                                ignore_eos=request.ignore_eos, output_kind=RequestOutputKind.DELTA)
+        ids: list[int] = []
+        times: list[float] = []
+        finish = error = None
+        try:
+            async for out in self._engine.generate({"prompt_token_ids": list(request.prompt_ids)}, params,
+                                                   request.request_id):
+                now = time.perf_counter()
+                for comp in out.outputs:
+                    ids += comp.token_ids
+                    times += [now] * len(comp.token_ids)
+                    finish = comp.finish_reason or finish
+        except Exception as exc:  # noqa: BLE001 - a failed request is data
+            error = f"{type(exc).__name__}: {exc}"
+        rec = RequestRecord(request.request_id, request.priority, request.tag, arrival, len(request.prompt_ids), ids,
+                            times, finish, error, time.perf_counter())
+        self._trace.add_request(rec)
+        return rec
+
+    def close(self) -> Trace:
+        assert self._engine is not None and self._trace is not None, "open() first"
+        for f in self._pending:
+            f.exception()  # wait; failures are in the records
+        trace, energy1 = self._trace, energy_mj(self.nvml)
+        self._engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        for rec in read_steps(self._step_file):  # written by the plug-in in vLLM's engine core
+            trace.add_step(rec)
+        self._step_file.unlink(missing_ok=True)
+        for gpu, end in energy1.items():
+            if gpu in self._energy0:
+                trace.add_sample({"t": time.perf_counter(), "probe": "nvml", "source": f"nvml:{gpu}",
+                                  "energy_j": (end - self._energy0[gpu]) / 1e3})
+        self._engine = self._loop = self._thread = self._trace = None
+        return trace
+
+    def describe(self) -> dict:
+        desc = {
+            "backend": "vllm",
+            "model": self.model,
+            "vllm": SUPPORTED_VLLM,
+            "profile": self.profile.name,
+            "controller": vars(self.params),
+            "engine": engine_args(self.model, self.profile, self.settings("dlfp"),
+                                  tensor_parallel_size=self.tensor_parallel_size,
+                                  async_scheduling=self.async_scheduling, extra=self.extra),
+            "vocab_size": self._vocab or _vocab_size(self.model),
+            "context_per_sequence": self.profile.n_ctx,
+        }
+        try:
+            desc["gpu"] = describe_gpus(self.nvml)
+        except RuntimeError as exc:
+            desc["gpu"] = f"unavailable: {exc}"
+        return desc
+
+
+def _vocab_size(model: str) -> int | None:
+    """From the model's config.json, without starting an engine (local folders and the local hub cache)."""
+    try:
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(model, local_files_only=True).vocab_size)
+    except Exception:  # noqa: BLE001 - unknown until the engine starts
+        return None
+
+
+def make_target(model: str | None, profile: DeviceProfile, itl_target_ms: float | None = None,
+                **options) -> VllmTarget:
+    if not model:
+        raise ValueError("the vLLM target needs --model (a Hugging Face name or a local folder)")
+    target = VllmTarget(model, profile, itl_target_ms, **options)
+    # Refuse before any trial is planned; open() checks again before each engine start.
+    check_exclusive(target.nvml, own_process_tree())
+    return target
