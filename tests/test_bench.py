@@ -150,6 +150,7 @@ def test_dlfp_bench_end_to_end_writes_every_file(tiny_gguf, tmp_path):
     assert paired["sweep"]["x_metric"] == "bg_prefill_tok_s_fg_active"
     config = json.loads((out / "config.json").read_text())
     assert config["args"]["seeds"] == [5, 6] and list(config["models"].values())[0]["sha256"]
+    assert config["prompt_source"] == "text"
     assert "dlfp vs unbounded" in result.output
 
     report = CliRunner().invoke(main, ["report", str(out), "--no-table"], catch_exceptions=False)

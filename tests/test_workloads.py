@@ -101,3 +101,17 @@ def test_schedule_is_identical_per_seed_and_accounts_tokens():
     assert len(set(ids)) == len(ids)
     firsts = [p.prompt_ids[0] for p in a.warmup + a.measured]
     assert len(set(firsts)) == len(firsts)
+
+
+def test_text_prompts_are_windows_with_distinct_openings():
+    pool = list(range(1000, 1300))
+    a = make_prompts([50, 400, 20], 49152, seed=5, pool=pool)
+    assert a == make_prompts([50, 400, 20], 49152, seed=5, pool=pool)
+    assert [len(p) for p in a] == [50, 400, 20]
+    assert len({tuple(p[:2]) for p in a}) == 3  # no shared prefix
+    for p in a:  # consecutive windows of the (cycled) pool
+        assert all(b == (1000 + ((x - 1000 + 1) % 300)) for x, b in zip(p, p[1:]))
+    shared = make_prompts([10, 12], 49152, seed=5, shared_prefix=4, pool=pool)
+    assert shared[0][:4] == shared[1][:4]
+    with pytest.raises(ValueError):
+        make_prompts([5] * 3, 49152, seed=5, pool=[7, 7, 7])  # one distinct opening only

@@ -48,7 +48,10 @@ class Schedule:
         return sum(r.max_tokens for r in self.measured)
 
 
-def build_schedule(spec: WorkloadSpec, seed: int, vocab_size: int, burstiness: float = 1.0) -> Schedule:
+def build_schedule(
+    spec: WorkloadSpec, seed: int, vocab_size: int, burstiness: float = 1.0, pool: list[int] | None = None
+) -> Schedule:
+    """`pool`: tokenized text to cut prompts from (see tokens.py); None: random ids."""
     fg = spec.foreground
     shapes: list[tuple[str, str, str, int, int, float]] = [
         (f"warmup-{i}", fg.priority, WARMUP_TAG, fg.input_len, fg.output_len, 0.0) for i in range(spec.warmup)
@@ -58,7 +61,7 @@ def build_schedule(spec: WorkloadSpec, seed: int, vocab_size: int, burstiness: f
         times = arrival_times(cls.count, cls.rate, [seed, k], burstiness)
         shapes += [(f"{cls.label}-{i}", cls.priority, cls.label, cls.input_len, cls.output_len, t)
                    for i, t in enumerate(times)]
-    prompts = make_prompts([s[3] for s in shapes], vocab_size, seed, spec.shared_prefix)
+    prompts = make_prompts([s[3] for s in shapes], vocab_size, seed, spec.shared_prefix, pool)
     planned = [
         PlannedRequest(rid, t, tuple(p), n_out, prio, tag)
         for (rid, prio, tag, _, n_out, t), p in zip(shapes, prompts)

@@ -49,6 +49,9 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     for key in ("completed", "prompt_tokens", "output_tokens"):
         fg_metrics[f"fg_{key}"] = fg_metrics.pop(key)
     row.update(fg_metrics)
+    n_fg = sum(1 for p in planned.values() if p.priority == FOREGROUND)
+    # Goodput counts against every submitted foreground request: a failed one met no SLO.
+    row["goodput_fraction"] = row["slo_met"] / n_fg if n_fg else None
     row["bg_completed"] = sum(1 for r in bg if r.request_id in done_ids)
     if not run.trace.steps:  # a target that cannot see its steps (an endpoint) has no step figures
         steps = None
@@ -58,6 +61,7 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     row.update(_step_stats(steps))
     row.update(_energy(run, start, end, list(records.values())))
     row["window_s"] = end - start
+    row["goodput_req_s"] = row["slo_met"] / row["window_s"] if row.get("slo_met") is not None and end > start else None
     row["trial_wall_s"] = run.wall_s
     row["max_submit_lag_s"] = run.max_submit_lag_s
     row["notes"] = list(run.trace.notes)

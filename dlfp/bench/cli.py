@@ -39,13 +39,15 @@ def _split(spec: str | None) -> list[str] | None:
 @click.option("--from", "from_config", type=click.Path(exists=True), default=None, help="Rerun DIR/config.json.")
 @click.option("--gate-p99-itl-reduction", type=float, default=None, help="Gate: P99 ITL reduction in every trial.")
 @click.option("--endpoint", "endpoints", multiple=True, help="LABEL=URL of an OpenAI-compatible server (repeatable).")
+@click.option("--prompts", type=click.Choice(["text", "random"]), default="text", show_default=True,
+              help="Exact-token prompts cut from bundled text (needs the target's tokenizer) or random ids.")
 @click.option("--vocab-size", type=int, default=None, help="Endpoints only: the served model's vocabulary size.")
 @click.option("--probe-period-s", type=float, default=0.5, show_default=True, help="Probe sampling period (0: off).")
 @click.argument("extra_seeds", nargs=-1, type=int)
 @click.pass_context
 def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstiness, slo, out, backend, model,
           profile, threads, kv_unified, itl_target_ms, sweep, overhead, from_config, gate_p99_itl_reduction,
-          endpoints, vocab_size, probe_period_s, extra_seeds):
+          endpoints, prompts, vocab_size, probe_period_s, extra_seeds):
     """Paired trials of prefill policies on an exact-token workload."""
     if from_config:
         try:
@@ -61,6 +63,7 @@ def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstin
             backend=backend, model=model, profile=profile, threads=threads, kv_unified=kv_unified,
             itl_target_ms=itl_target_ms, sweep=_expand_sweep(sweep), overhead=overhead,
             gate_p99_itl_reduction=gate_p99_itl_reduction, endpoints=list(endpoints), vocab_size=vocab_size,
+            prompts=prompts,
             probe_period_s=probe_period_s or None,
         )
     prof = get_profile(args.profile)

@@ -41,6 +41,7 @@ class BenchArgs:
     gate_p99_itl_reduction: float | None = None
     endpoints: list[str] = field(default_factory=list)
     vocab_size: int | None = None  # for endpoints that do not report theirs
+    prompts: str = "text"  # text windows of the bundled corpus, or random ids
     probe_period_s: float | None = 0.5
 
     @classmethod

@@ -20,6 +20,7 @@ from dlfp.bench.runner import Arm, run_trial
 from dlfp.bench.target import EngineTarget, make_external_target
 from dlfp.workloads.schedule import build_schedule
 from dlfp.workloads.specs import Gate, WorkloadSpec, get_spec, parse_slo
+from dlfp.workloads.tokens import text_pool
 
 
 class BenchError(ValueError):
@@ -35,6 +36,8 @@ class Bench:
     out: Path
     itl_target_ms: float | None
     params: dict | None = None
+    pool: list[int] | None = None  # tokenized text prompts are cut from (None: random ids)
+    prompt_source: str = "random"
     rows: list[dict] = field(default_factory=list)
 
     @property
@@ -101,7 +104,20 @@ def prepare(args: BenchArgs, open_backend: Callable, profile) -> Bench:
     bench = Bench(args, spec, profile, arms, Path(args.out), itl_target, params)
     for arm in arms:
         _check_fits(spec, arm, args.vocab_size)
+    bench.pool, bench.prompt_source = _prompt_pool(args.prompts, arms[0].target)
     return bench
+
+
+def _prompt_pool(kind: str, target) -> tuple[list[int] | None, str]:
+    """Text prompts need the target's tokenizer; an endpoint has none here, so it gets random ids."""
+    if kind not in ("text", "random"):
+        raise BenchError(f"--prompts must be text or random, got {kind!r}")
+    backend = getattr(target, "backend", None)
+    if kind == "random":
+        return None, "random"
+    if backend is None:
+        return None, "random (the target exposes no tokenizer)"
+    return text_pool(lambda text: backend.tokenize(text, add_special=False)), "text"
 
 
 def run(bench: Bench, on_request: Callable[[], None] | None = None,
@@ -115,7 +131,7 @@ def run(bench: Bench, on_request: Callable[[], None] | None = None,
     agreement: dict[int, dict] = {}
     vocab = _limits(bench.arms[0].target, bench.args.vocab_size)[0]
     for i, seed in enumerate(bench.args.seeds):
-        schedule = build_schedule(bench.spec, seed, vocab, bench.args.burstiness)
+        schedule = build_schedule(bench.spec, seed, vocab, bench.args.burstiness, bench.pool)
         order = bench.arms if i % 2 == 0 else list(reversed(bench.arms))
         runs = []
         for k, arm in enumerate(order):
@@ -143,6 +159,7 @@ def summarize(bench: Bench, agreement: dict) -> dict:
         "arms": names,
         "seeds": bench.args.seeds,
         "itl_target_ms": bench.itl_target_ms,
+        "prompt_source": bench.prompt_source,
         "paired": paired_table(bench.rows, names, bench.args.seeds, bench.spec.gate, agreement),
         "agreement": {str(s): a for s, a in agreement.items()},
         "sweep": sweep_summary(bench.rows, names, x_metric, bench.itl_target_ms),
@@ -157,6 +174,7 @@ def write_config(bench: Bench) -> Path:
             targets[label] = arm.target.describe()
     cfg = build_config(bench.args, bench.spec, bench.profile, targets, bench.params)
     cfg["arms"] = bench.arm_names
+    cfg["prompt_source"] = bench.prompt_source
     path = bench.out / "config.json"
     bench.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg, indent=2, default=str) + "\n")
