@@ -4,6 +4,9 @@
    against llama-cpp-python's own generation loop (`Llama.generate`, greedy) on
    the same model file, threads, batch size and per-sequence context, as a
    ratio. Runs alternate (engine, llama, engine, ...) and the medians compare.
+   The llama-cpp-python loop runs in a fresh child process: once a second
+   llama.cpp context had computed on another thread of the same process, the
+   engine thread's decodes ran 2.4x slower here (CPU thread pools competing).
 2. Controller + scheduler share: in a DLFP run where a background prompt is
    capped beside a foreground decode, the time spent in the policy (cap,
    observe, reset) and the scheduler (admit, plan) per step, as a share of the
@@ -13,7 +16,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -34,16 +40,12 @@ def measure_overhead(
 ) -> dict:
     caps = backend.capabilities
     prompt = make_prompts([prompt_len], caps.vocab_size, seed=0)[0]
-    llm = _load_llama(backend)
     engine_rates, llama_rates, outputs = [], [], {}
-    try:
-        for _ in range(repeats):
-            rate, outputs["engine"] = _engine_decode(backend, prompt, n_tokens)
-            engine_rates.append(rate)
-            rate, outputs["llama"] = _llama_decode(llm, prompt, n_tokens)
-            llama_rates.append(rate)
-    finally:
-        llm.close()
+    for _ in range(repeats):
+        rate, outputs["engine"] = _engine_decode(backend, prompt, n_tokens)
+        engine_rates.append(rate)
+        rate, outputs["llama"] = _llama_in_subprocess(backend, prompt, n_tokens)
+        llama_rates.append(rate)
     engine_med, llama_med = statistics.median(engine_rates), statistics.median(llama_rates)
     return {
         "decode": {
@@ -61,33 +63,32 @@ def measure_overhead(
     }
 
 
-def _load_llama(backend: LlamaCppBackend):
+def _load_llama(job: dict):
     """llama_cpp.Llama with the backend's settings, extra buffer types off as in the backend."""
     import llama_cpp
     import llama_cpp.llama_cpp as raw
 
-    cfg = backend.config
     original = raw.llama_model_default_params
 
     def params_without_extra_buffers():
         mp = original()
-        mp.use_extra_bufts = cfg.extra_buffers  # the AMX repack path crashes multi-token batches here
+        mp.use_extra_bufts = job["extra_buffers"]  # the AMX repack path crashes multi-token batches here
         return mp
 
     raw.llama_model_default_params = params_without_extra_buffers
     try:
         return llama_cpp.Llama(
-            model_path=cfg.model_path,
-            n_ctx=backend.capabilities.context_per_sequence,
-            n_batch=backend.capabilities.max_batch_tokens,
-            n_ubatch=backend.capabilities.max_batch_tokens,
-            n_threads=backend.n_threads,
-            n_threads_batch=backend.n_threads,
+            model_path=job["model_path"],
+            n_ctx=job["n_ctx"],
+            n_batch=job["n_batch"],
+            n_ubatch=job["n_batch"],
+            n_threads=job["n_threads"],
+            n_threads_batch=job["n_threads"],
             flash_attn=True,  # the backend's default "auto" resolves to flash attention on the CPU
             verbose=False,
         )
     except ValueError as exc:
-        raise OverheadError(f"llama-cpp-python could not load {cfg.model_path}: {exc}") from None
+        raise OverheadError(f"llama-cpp-python could not load {job['model_path']}: {exc}") from None
     finally:
         raw.llama_model_default_params = original
 
@@ -119,6 +120,29 @@ def _llama_decode(llm, prompt: list[int], n_tokens: int) -> tuple[float, list[in
         if len(ids) >= n_tokens:
             break
     return _decode_rate(times), ids
+
+
+def _llama_in_subprocess(backend, prompt: list[int], n_tokens: int) -> tuple[float, list[int]]:
+    job = {"model_path": backend.config.model_path, "extra_buffers": backend.config.extra_buffers,
+           "n_ctx": backend.capabilities.context_per_sequence, "n_batch": backend.capabilities.max_batch_tokens,
+           "n_threads": backend.n_threads, "prompt": prompt, "n_tokens": n_tokens}
+    done = subprocess.run([sys.executable, "-m", "dlfp.bench.overhead"], input=json.dumps(job),
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise OverheadError(f"llama-cpp-python reference failed: {done.stderr.strip()[-500:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return out["rate"], out["ids"]
+
+
+def _reference_main() -> None:
+    """Child process: llama-cpp-python's own loop on the job read from stdin."""
+    job = json.loads(sys.stdin.read())
+    llm = _load_llama(job)
+    try:
+        rate, ids = _llama_decode(llm, job["prompt"], job["n_tokens"])
+    finally:
+        llm.close()
+    print(json.dumps({"rate": rate, "ids": ids}))
 
 
 class _Stopwatch:
@@ -194,3 +218,7 @@ def print_overhead(result: dict, console) -> None:
         f"{c['steps']} steps ({c['capped_steps']} capped); the whole engine outside llama_decode: "
         f"{c['engine_share_of_step_mean'] * 100:.2f}% of a step"
     )
+
+
+if __name__ == "__main__":
+    _reference_main()
