@@ -40,6 +40,10 @@ class LlamaCppConfig:
     n_threads: int | None = None  # None: one per physical core
     kv_unified: bool = False  # one cache for all sequences (see README: a benchmark setting)
     extra_buffers: bool = False  # llama.cpp's repacked weight buffers (AMX); see __init__
+    # Flash attention makes a prompt's logits depend on how it was chunked (0.7 logit
+    # apart here, enough to flip greedy near-ties across policies); without it every
+    # chunking measured gave bit-identical logits, and small chunks ran faster.
+    flash_attn: bool = False
     verbose: bool = False
 
 
@@ -136,6 +140,7 @@ class LlamaCppBackend(Backend):
         cp.n_threads = self.n_threads  # one-token sub-batches use n_threads ...
         cp.n_threads_batch = self.n_threads  # ... any mixed batch uses n_threads_batch
         cp.kv_unified = config.kv_unified
+        cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.no_perf = True
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
@@ -237,6 +242,7 @@ class LlamaCppBackend(Backend):
             "n_batch": self.capabilities.max_batch_tokens,
             "n_threads": self.n_threads,
             "kv_unified": self.config.kv_unified,
+            "flash_attn": self.config.flash_attn,
             "llama_cpp_python": getattr(self._ll, "__version__", "unknown"),
         }
 

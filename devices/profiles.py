@@ -27,10 +27,12 @@ class DeviceProfile:
     # temperature, or on battery below this charge (0: never for the battery).
     thermal_limit_c: float = 90.0
     battery_min_percent: float = 0.0
+    max_growth: float = 0.0  # largest per-step growth of the cap (0: unlimited, the paper's law)
 
     def dlfp_params(self, itl_target_ms: float | None = None) -> DLFPParams:
         target = itl_target_ms if itl_target_ms is not None else self.itl_target_ms
-        return DLFPParams(target / 1e3, self.initial, self.minimum, self.maximum, self.quantum)
+        growth = self.max_growth if self.max_growth > 0 else None
+        return DLFPParams(target / 1e3, self.initial, self.minimum, self.maximum, self.quantum, growth)
 
     @property
     def preemption_budget_s(self) -> float | None:

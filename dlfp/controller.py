@@ -89,8 +89,14 @@ class DLFPParams:
     minimum: int
     maximum: int
     quantum: int = 1
+    # Largest factor the cap may grow by in one observation (None: unlimited, the
+    # paper's law). Shrinking is never limited. On a noisy CPU one lucky fast step
+    # would otherwise multiply the cap and the next step overshoots the target.
+    max_growth: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_growth is not None and self.max_growth <= 1:
+            raise ValueError(f"max_growth must be > 1, got {self.max_growth}")
         if self.target_s <= 0:
             raise ValueError(f"target must be positive, got {self.target_s}")
         if self.quantum < 1:
@@ -107,6 +113,8 @@ def next_cap(cap: int, target_s: float, latency_s: float, p: DLFPParams) -> int:
     if latency_s <= 0:
         return cap  # a zero-length observation carries no information
     scaled = cap * target_s / latency_s
+    if p.max_growth is not None:
+        scaled = min(scaled, max(cap * p.max_growth, cap + p.quantum))  # always room for one quantum
     # Round before flooring so 3072*80/57.51 style products are not lost to float noise.
     floored = math.floor(round(scaled, 6) / p.quantum) * p.quantum
     return max(p.minimum, min(p.maximum, floored))

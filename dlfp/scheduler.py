@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: dict[str, deque[Sequence]] = {FOREGROUND: deque(), BACKGROUND: deque()}
         self.running: list[Sequence] = []  # holds a slot, in admission order
         self.free_slots: deque[int] = deque(range(caps.max_sequences))
+        self.fg_reserved_slots = 1 if caps.max_sequences > 1 else 0
         self._turn = 0  # time-slicing position for single-sequence backends
 
     # -- queue -------------------------------------------------------------
@@ -59,10 +60,15 @@ class Scheduler:
         return bool(self.running or self.waiting[FOREGROUND] or self.waiting[BACKGROUND])
 
     def admit(self) -> list[Sequence]:
-        """Give free slots to waiting sequences, foreground first."""
+        """Give free slots to waiting sequences, foreground first.
+
+        Background work never takes the last free slot: a foreground message that
+        arrives behind a folder of documents must not wait for one to finish.
+        """
         admitted = []
+        reserve = {FOREGROUND: 0, BACKGROUND: self.fg_reserved_slots}
         for cls in (FOREGROUND, BACKGROUND):
-            while self.free_slots and self.waiting[cls]:
+            while len(self.free_slots) > reserve[cls] and self.waiting[cls]:
                 seq = self.waiting[cls].popleft()
                 seq.slot = self.free_slots.popleft()
                 seq.status = Status.PREFILLING

@@ -106,3 +106,13 @@ def test_parse_policy():
     for bad in ("fixed:x", "fixed:-3", "magic"):
         with pytest.raises(ValueError):
             parse_policy(bad, PAPER)
+
+
+def test_max_growth_limits_only_growth():
+    p = DLFPParams(0.1, 8, 1, 256, 1, max_growth=1.25)
+    assert next_cap(8, 0.1, 0.02, p) == 10  # x5 asked, x1.25 allowed
+    assert next_cap(1, 0.1, 0.02, p) == 2  # always room for one quantum
+    assert next_cap(8, 0.1, 0.4, p) == 2  # shrinking is immediate
+    assert next_cap(3072, 0.080, 0.05751, PAPER) == 4224  # the paper's law is untouched by default
+    with pytest.raises(ValueError):
+        DLFPParams(0.1, 8, 1, 256, 1, max_growth=1.0)

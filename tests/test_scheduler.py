@@ -88,15 +88,18 @@ def test_last_chunk_wants_logits_and_batch_never_overflows():
 
 
 def test_admission_respects_slots_and_priority():
-    sched = Scheduler(caps(slots=2))
-    b1, b2, f1 = seq(5, BACKGROUND), seq(5, BACKGROUND), seq(5)
-    for s in (b1, b2, f1):
+    sched = Scheduler(caps(slots=3))
+    b1, b2, b3, f1 = seq(5, BACKGROUND), seq(5, BACKGROUND), seq(5, BACKGROUND), seq(5)
+    for s in (b1, b2, b3, f1):
         sched.add(s)
-    got = sched.admit()
-    assert got == [f1, b1] and b2.status == Status.WAITING
+    assert sched.admit() == [f1, b1]  # the last free slot stays for the foreground
+    assert b2.status == Status.WAITING
     sched.release(f1)
     assert sched.admit() == [b2]
-    assert b2.slot == f1.slot
+    f2 = seq(5)
+    sched.add(f2)
+    assert sched.admit() == [f2]  # a new chat message finds its slot at once
+    assert b3.status == Status.WAITING
 
 
 def test_time_slicing_for_single_sequence_backends():
