@@ -25,16 +25,20 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
 
-cpu_key=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | sha1sum | cut -c1-12 || echo generic)
-WHEELS="$CACHE_ROOT/llama-cpp-python-$LLAMA_CPP_VERSION-$(uname -m)-$cpu_key"
+# Only libllama and ggml are needed: skip the multimodal library, tools, tests and examples.
+# GGML_LLAMAFILE=OFF: llamafile's sgemm serves multi-token batches but not one-token
+# ones, so a prompt's logits depended on how it was chunked; without it every chunking
+# measured gives bit-identical logits (the exact-output checks rely on it), no slower.
+LLAMA_CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_LLAMAFILE=OFF"
+build_key=$( { grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; echo "$LLAMA_CMAKE_ARGS"; } | sha1sum | cut -c1-12)
+WHEELS="$CACHE_ROOT/llama-cpp-python-$LLAMA_CPP_VERSION-$(uname -m)-$build_key"
 if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   log "building llama-cpp-python $LLAMA_CPP_VERSION from source (first run only, ~3-4 min on 2 cores)"
-  mkdir -p "$WHEELS"
-  # Only libllama and ggml are needed: skip the multimodal library, tools, tests and examples.
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF" \
+  rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="$LLAMA_CMAKE_ARGS" \
     "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
-      -w "$WHEELS" "llama-cpp-python==$LLAMA_CPP_VERSION"
+      -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_CPP_VERSION"
+  rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"  # only a finished build becomes the cache
 else
   log "reusing cached llama-cpp-python wheel from $WHEELS"
 fi

@@ -121,3 +121,17 @@ def test_bad_model_files(tmp_path):
     junk.write_bytes(b"not a model at all")
     with pytest.raises(ModelLoadError, match="not a GGUF"):
         LlamaCppBackend(LlamaCppConfig(str(junk)))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 32])
+def test_prompt_logits_do_not_depend_on_chunking(backend, chunk):
+    """Bit-identical: the build leaves llamafile's sgemm out and flash attention off."""
+    prompt = list(range(5, 105))
+    backend.free_sequence(0)
+    whole = backend.step(StepPlan(prefills=[PrefillChunk(0, prompt, 0, True)])).logits[0]
+    backend.free_sequence(0)
+    for start in range(0, len(prompt), chunk):
+        ids = prompt[start : start + chunk]
+        r = backend.step(StepPlan(prefills=[PrefillChunk(0, ids, start, start + len(ids) == len(prompt))]))
+    backend.free_sequence(0)
+    assert float(abs(r.logits[0] - whole).max()) == 0.0

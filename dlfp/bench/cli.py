@@ -30,7 +30,7 @@ def _split(spec: str | None) -> list[str] | None:
 @click.option("--out", type=click.Path(), default="runs/bench", show_default=True)
 @click.option("--backend", default="llamacpp", show_default=True, help="llamacpp, sim (SIMULATED), vllm, ...")
 @click.option("--model", default=None, help="Model file (default: the embedded SmolLM2-135M) or endpoint model name.")
-@click.option("--profile", default="cpu-laptop", show_default=True, help="Device profile name or TOML path.")
+@click.option("--profile", default=None, help="Device profile name or TOML path [default: a100-paper for vllm, else cpu-laptop].")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
 @click.option("--kv-unified", is_flag=True, help="llama.cpp: one KV cache shared by all sequences.")
 @click.option("--itl-target-ms", type=float, default=None, help="DLFP target (default: the profile's).")
@@ -60,7 +60,7 @@ def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstin
         args = BenchArgs(
             workload=workload, policies=_split(policies) or [], seeds=[*seeds, *extra_seeds] or [801, 802, 803],
             rate=rate, requests=requests, warmup=warmup, scale=scale, burstiness=burstiness, slo=slo, out=out,
-            backend=backend, model=model, profile=profile, threads=threads, kv_unified=kv_unified,
+            backend=backend, model=model, profile=profile or _default_profile(backend), threads=threads, kv_unified=kv_unified,
             itl_target_ms=itl_target_ms, sweep=_expand_sweep(sweep), overhead=overhead,
             gate_p99_itl_reduction=gate_p99_itl_reduction, endpoints=list(endpoints), vocab_size=vocab_size,
             prompts=prompts,
@@ -73,6 +73,11 @@ def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstin
     if not args.endpoints:
         _policy_list(",".join(args.policies + (args.sweep or [])), prof)
     _run_bench(args, prof)
+
+
+def _default_profile(backend: str) -> str:
+    # vLLM runs on a GPU: the paper's operating point, not a CPU laptop's.
+    return "a100-paper" if backend == "vllm" else "cpu-laptop"
 
 
 def _expand_sweep(spec: str | None) -> list[str] | None:

@@ -137,7 +137,10 @@ def run(bench: Bench, on_request: Callable[[], None] | None = None,
         for k, arm in enumerate(order):
             if on_trial:
                 on_trial(f"seed {seed}: {arm.name}")
-            trial = run_trial(arm, schedule, k, on_request, bench.args.probe_period_s)
+            try:
+                trial = run_trial(arm, schedule, k, on_request, bench.args.probe_period_s)
+            except RuntimeError as exc:  # e.g. an external engine that fails to start
+                raise BenchError(f"{arm.name}: {exc}") from None
             paths = trial.trace.write(out, f"{seed}-{file_label(arm.name)}")
             row = trial_row(trial, schedule, bench.spec) | {"trace_suffix": f"{seed}-{file_label(arm.name)}",
                                                             "trace_files": sorted(p.name for p in paths.values())}
@@ -218,6 +221,8 @@ def _external(name: str, args: BenchArgs, profile):
         return make_external_target(name, args.model, profile, **options)
     except ImportError as exc:
         raise BenchError(f"backend {name!r} is not installed ({exc}); see README for its extra") from None
+    except (RuntimeError, ValueError) as exc:  # a busy GPU, no NVML, a bad setting: one line
+        raise BenchError(f"backend {name!r} cannot run here: {exc}") from None
 
 
 def _factory_params(name: str) -> set[str]:
