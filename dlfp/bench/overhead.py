@@ -84,7 +84,7 @@ def _load_llama(job: dict):
             n_ubatch=job["n_batch"],
             n_threads=job["n_threads"],
             n_threads_batch=job["n_threads"],
-            flash_attn=True,  # the backend's default "auto" resolves to flash attention on the CPU
+            flash_attn=job["flash_attn"],  # the same attention kernels as the backend
             verbose=False,
         )
     except ValueError as exc:
@@ -124,6 +124,7 @@ def _llama_decode(llm, prompt: list[int], n_tokens: int) -> tuple[float, list[in
 
 def _llama_in_subprocess(backend, prompt: list[int], n_tokens: int) -> tuple[float, list[int]]:
     job = {"model_path": backend.config.model_path, "extra_buffers": backend.config.extra_buffers,
+           "flash_attn": backend.config.flash_attn,
            "n_ctx": backend.capabilities.context_per_sequence, "n_batch": backend.capabilities.max_batch_tokens,
            "n_threads": backend.n_threads, "prompt": prompt, "n_tokens": n_tokens}
     done = subprocess.run([sys.executable, "-m", "dlfp.bench.overhead"], input=json.dumps(job),
