@@ -62,19 +62,24 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Give free slots to waiting sequences, foreground first.
 
-        Background work never takes the last free slot: a foreground message that
-        arrives behind a folder of documents must not wait for one to finish.
+        While no foreground sequence holds a slot, background work leaves one free:
+        a chat message that arrives behind a folder of documents must not wait for
+        one of them to finish.
         """
         admitted = []
-        reserve = {FOREGROUND: 0, BACKGROUND: self.fg_reserved_slots}
         for cls in (FOREGROUND, BACKGROUND):
-            while len(self.free_slots) > reserve[cls] and self.waiting[cls]:
+            while len(self.free_slots) > self._reserve(cls) and self.waiting[cls]:
                 seq = self.waiting[cls].popleft()
                 seq.slot = self.free_slots.popleft()
                 seq.status = Status.PREFILLING
                 self.running.append(seq)
                 admitted.append(seq)
         return admitted
+
+    def _reserve(self, cls: str) -> int:
+        if cls == FOREGROUND or any(s.priority == FOREGROUND for s in self.running):
+            return 0
+        return self.fg_reserved_slots
 
     def release(self, seq: Sequence) -> None:
         """Take a finished sequence out; its slot goes back to the pool."""

@@ -89,17 +89,27 @@ def test_last_chunk_wants_logits_and_batch_never_overflows():
 
 def test_admission_respects_slots_and_priority():
     sched = Scheduler(caps(slots=3))
-    b1, b2, b3, f1 = seq(5, BACKGROUND), seq(5, BACKGROUND), seq(5, BACKGROUND), seq(5)
-    for s in (b1, b2, b3, f1):
+    b1, b2, b3, b4 = (seq(5, BACKGROUND) for _ in range(4))
+    for s in (b1, b2, b3, b4):
         sched.add(s)
-    assert sched.admit() == [f1, b1]  # the last free slot stays for the foreground
-    assert b2.status == Status.WAITING
+    assert sched.admit() == [b1, b2]  # with no foreground running, one slot stays free
+    f1 = seq(5)
+    sched.add(f1)
+    assert sched.admit() == [f1]  # a new chat message finds its slot at once
+    sched.release(b1)
+    assert sched.admit() == [b3]  # beside a running foreground, background may use the rest
     sched.release(f1)
-    assert sched.admit() == [b2]
-    f2 = seq(5)
-    sched.add(f2)
-    assert sched.admit() == [f2]  # a new chat message finds its slot at once
-    assert b3.status == Status.WAITING
+    sched.release(b2)
+    assert sched.admit() == [b4]
+    assert len(sched.free_slots) == 1 and b4.status == Status.PREFILLING
+
+
+def test_two_slots_still_run_foreground_and_background_together():
+    sched = Scheduler(caps(slots=2))
+    f, b = seq(5), seq(5, BACKGROUND)
+    sched.add(f)
+    sched.add(b)
+    assert sched.admit() == [f, b]
 
 
 def test_time_slicing_for_single_sequence_backends():
