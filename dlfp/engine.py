@@ -168,19 +168,20 @@ class Engine:
         handle = RequestHandle(self, request, on_event)
         caps = self.backend.capabilities
         try:
-            if request.request_id in self._handles:
-                raise ValueError(f"duplicate request id {request.request_id!r}")
             request.validate(caps.vocab_size, caps.context_per_sequence)
+            with self._wake:  # the checks and the queueing are one step against a stopping loop
+                if self._stop:
+                    raise ValueError("the engine has stopped")
+                if request.request_id in self._handles:
+                    raise ValueError(f"duplicate request id {request.request_id!r}")
+                self._handles[request.request_id] = handle
+                self._inbox.append(("submit", Sequence(request, arrival_s=now)))
+                self._wake.notify()
         except ValueError as exc:
-            seq = Sequence(request, arrival_s=now)
-            record = self._record(seq, "error", str(exc), now)
+            record = self._record(Sequence(request, arrival_s=now), "error", str(exc), now)
             handle._deliver(TokenEvent(request.request_id, None, now, "error", str(exc)))
             handle._finish(record)
             raise InvalidRequest(str(exc)) from None
-        with self._wake:
-            self._handles[request.request_id] = handle
-            self._inbox.append(("submit", Sequence(request, arrival_s=now)))
-            self._wake.notify()
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -225,6 +226,23 @@ class Engine:
 
     # -- engine thread -----------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a broken runtime: no request may be left hanging
+            log.exception("engine loop crashed")
+            self._fail_everything(f"engine stopped: {type(exc).__name__}: {exc}")
+
+    def _fail_everything(self, message: str) -> None:
+        with self._wake:
+            self._stop = True
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "submit":
+                self._seqs[item.request.request_id] = item
+        for seq in list(self._seqs.values()):
+            self._finish(seq, "error", message, self.clock(), free_slot=False)  # the runtime is gone
+
+    def _loop(self) -> None:
         while True:
             with self._wake:
                 if not self._inbox and not self.scheduler.has_work() and not self._stop:
@@ -329,12 +347,12 @@ class Engine:
         for seq in [s for s in self.scheduler.running if s.slot in slots]:
             self._finish(seq, "error", message, now)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None, now: float) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None, now: float, free_slot: bool = True) -> None:
         if seq.status == Status.FINISHED:
             return
         had_slot = seq in self.scheduler.running
         self.scheduler.release(seq)
-        if had_slot:
+        if had_slot and free_slot:
             self.backend.free_sequence(seq.slot)
         seq.status = Status.FINISHED
         rid = seq.request.request_id

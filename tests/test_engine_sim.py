@@ -113,3 +113,21 @@ def test_sampling_with_temperature_is_seeded():
     b = engine.submit(Request([1, 2], 5, sampling=sp, ignore_eos=True)).result(timeout=10).output_ids
     engine.shutdown()
     assert a == b
+
+
+def test_a_crashing_runtime_fails_every_request_instead_of_hanging():
+    clock = VirtualClock()
+    backend = SimBackend(clock=clock)
+    engine = Engine(backend, Unbounded(), clock=clock.now)
+    handles = [engine.submit(Request([1, 2, 3], 50, ignore_eos=True)) for _ in range(3)]
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    backend.step = broken
+    engine.start()
+    records = [h.result(timeout=10) for h in handles]
+    assert all(r.finish_reason == "error" and "device lost" in r.error for r in records)
+    assert len(engine.trace.requests) == 3
+    with pytest.raises(InvalidRequest, match="stopped"):
+        engine.submit(Request([1, 2, 3], 5))
