@@ -139,7 +139,6 @@ class Engine:
         self.step_hooks: list[Callable[[StepRecord], None]] = []
         # Thermal governor hook: gate(now) -> (background prefill may run, label for StepRecord.governor).
         self.background_gate: Callable[[float], tuple[bool, str | None]] | None = None
-        self.steps_run = 0
 
     def _make_preemption(self, n_batch: int) -> DLFP | None:
         budget = self.config.preemption_budget_s
@@ -402,7 +401,6 @@ class Engine:
             device_duration_s=result.device_duration_s,
             governor=governor,
         )
-        self.steps_run += 1
         self.trace.add_step(rec)
         for hook in self.step_hooks:
             hook(rec)

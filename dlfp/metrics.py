@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlfp.trace import RequestRecord, StepRecord
+from dlfp.trace import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 
@@ -85,10 +85,3 @@ def request_metrics(records: list[RequestRecord], slo: SLO | None = None) -> dic
         out["goodput_fraction"] = out["slo_met"] / len(records) if records else None
     return out
 
-
-def prefill_tokens_per_s(steps: list[StepRecord], priority: str, start: float, end: float) -> float | None:
-    """Prompt tokens of one class processed per second over [start, end]."""
-    if end <= start:
-        return None
-    key = "n_prefill_bg" if priority == "background" else "n_prefill_fg"
-    return sum(getattr(s, key) for s in steps if start <= s.t1 <= end) / (end - start)
