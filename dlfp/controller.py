@@ -23,6 +23,25 @@ SOURCES = (COMPLETION, CADENCE)
 UNREACHABLE_AFTER = 8
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What an observed step carried, for policies that learn the step's cost.
+
+    Positions are context positions (0-based): a prompt token deep in a long
+    document attends over more cells than one near its start, so its cost grows
+    with position.
+    """
+
+    n_decode: int = 0  # decode tokens (one per decoding sequence)
+    n_prefill: int = 0  # prompt tokens of all chunks together
+    prefill_position_sum: int = 0  # sum over prompt tokens of their positions
+    decode_position_sum: int = 0  # sum over decode tokens of their positions
+
+    @property
+    def mean_prefill_position(self) -> float:
+        return self.prefill_position_sum / self.n_prefill if self.n_prefill else 0.0
+
+
 class PrefillPolicy(ABC):
     """Caps the prompt tokens of a step that overlaps an active decode ("guarded").
 
@@ -38,12 +57,13 @@ class PrefillPolicy(ABC):
     def cap(self) -> int | None:
         """Prompt-token cap for the next guarded step; None means no cap."""
 
-    def observe(self, latency_s: float, cap: int | None = None) -> None:
+    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         """Latency of a guarded step that has completed.
 
         `cap` is the cap that step was planned with, when the caller knows it and
         it may differ from the current one (a pipelined engine such as vLLM's async
-        scheduling plans the next step before this one completes).
+        scheduling plans the next step before this one completes). `shape` says
+        what the step carried, where the caller knows it.
         """
 
     def reset(self) -> None:
@@ -135,7 +155,7 @@ class DLFP(PrefillPolicy):
     def cap(self) -> int | None:
         return self._cap
 
-    def observe(self, latency_s: float, cap: int | None = None) -> None:
+    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         p = self.params
         # Scale the cap the observed step ran with: scaling a cap that a later
         # observation already moved would apply one correction twice.
