@@ -26,6 +26,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+from dlfp.assembly import is_stock
 from dlfp.backends.vllm.gpu import check_exclusive, describe_gpus, energy_mj
 from dlfp.backends.vllm.settings import PluginSettings
 from dlfp.backends.vllm.version import SUPPORTED_VLLM
@@ -45,15 +46,15 @@ def engine_args(model: str, profile: DeviceProfile, settings: PluginSettings, *,
     args = {
         "model": model,
         "dtype": "bfloat16",
-        "max_model_len": profile.n_ctx,
-        "max_num_seqs": profile.n_seq_max,
-        "max_num_batched_tokens": profile.n_batch,
+        "max_model_len": profile.context_per_sequence,
+        "max_num_seqs": profile.max_sequences,
+        "max_num_batched_tokens": profile.max_batch_tokens,
         "enable_prefix_caching": False,
         "tensor_parallel_size": tensor_parallel_size,
         "async_scheduling": async_scheduling,
         "seed": 0,
     }
-    if settings.policy != "unbounded":  # unbounded: stock vLLM, no plug-in at all
+    if not is_stock(settings.policy):  # unbounded: stock vLLM, no plug-in at all
         cls = "DLFPAsyncScheduler" if async_scheduling else "DLFPScheduler"
         args["scheduler_cls"] = f"{SCHEDULER_MODULE}.{cls}"
         args["additional_config"] = settings.as_config()
@@ -200,7 +201,7 @@ class VllmTarget:
                                   tensor_parallel_size=self.tensor_parallel_size,
                                   async_scheduling=self.async_scheduling, extra=self.extra),
             "vocab_size": self._vocab or _vocab_size(self.model),
-            "context_per_sequence": self.profile.n_ctx,
+            "context_per_sequence": self.profile.context_per_sequence,
         }
         try:
             desc["gpu"] = describe_gpus(self.nvml)
