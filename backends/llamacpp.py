@@ -237,12 +237,6 @@ class LlamaCppBackend(Backend):
             self._ll.llama_model_free(self._model)
             self._model = None
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 def from_profile(
     model_path: str | None, profile, n_threads: int | None = None, kv_unified: bool = False

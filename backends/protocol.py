@@ -64,6 +64,9 @@ class Capabilities:
     max_batch_tokens: int  # tokens one step may carry (llama.cpp's n_batch)
     vocab_size: int
 
+    def limits(self) -> Limits:
+        return Limits(self.max_sequences, self.context_per_sequence, self.max_batch_tokens)
+
 
 @dataclass
 class DecodeItem:
@@ -189,3 +192,9 @@ class Backend(ABC):
 
     def close(self) -> None:
         pass
+
+    def __del__(self):
+        try:
+            self.close()  # a runtime holds native memory (contexts, worker processes)
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn modules down
+            pass
