@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dlfp.backends.protocol import Backend, BackendError
-from dlfp.controller import CADENCE, DLFP, DLFPParams, PrefillPolicy
+from dlfp.controller import CADENCE, DLFP, DLFPParams, PrefillPolicy, shape_of
 from dlfp.sampling import sample
 from dlfp.scheduler import PlannedStep, Scheduler
 from dlfp.sequence import FOREGROUND, Request, Sequence, Status
@@ -289,7 +289,7 @@ class Engine:
             return
         if step.capped and self.policy.source != CADENCE:
             observed = result.duration_s
-            self.policy.observe(observed)
+            self.policy.observe(observed, cap=step.cap, shape=shape_of(step.plan))
         if step.budgeted and self.preemption is not None:
             self.preemption.observe(result.duration_s)
         self._prev_call, self._prev_capped = t_call, step.capped
