@@ -138,8 +138,8 @@ class DLFPParams:
     window: int = 128  # recent capped steps whose spread sizes the setpoint
     forgetting: float = 0.95  # cost-model memory per observation (about 1/(1-f) steps)
     prior_spread: float = 1.5  # assumed quantile/mean ratio until the window has data
-    zero_cap: bool = True  # may keep background prefill out of guarded steps entirely
-    probe_every: int = 16  # while the cap is 0: one minimum-size step every N guarded steps
+    zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
+    probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.quantile < 1:
@@ -193,6 +193,8 @@ class DLFP(PrefillPolicy):
         return self._cap
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
+        if shape is not None and shape.n_prefill == 0:
+            return  # a step without prompt tokens says nothing about the cap (equation (2) as published)
         p = self.params
         # Scale the cap the observed step ran with: scaling a cap that a later
         # observation already moved would apply one correction twice.
@@ -226,21 +228,22 @@ MAX_SPREAD = 8.0
 
 
 class TailDLFP(PrefillPolicy):
-    """Tail-aware DLFP: hold a quantile of the capped steps at the target.
+    """Tail-aware DLFP: hold a quantile of the guarded steps at the target.
 
-    Each observed step teaches a cost model (dlfp/stepcost.py) and leaves the
-    ratio of its time to what the model predicted. The setpoint is T divided by
-    the `quantile` of the recent ratios, so the step times' spread, not their
-    mean, is what meets T. The cap is the number of prompt tokens the model fits
-    under the setpoint at once, with no climb: what was learned survives
-    `reset()`, so each foreground turn starts at the right cap. A step that
-    misses T also shrinks the cap by equation (2) at once (the model follows a
-    cost shift only over a few steps).
+    Each observed guarded step teaches a cost model (dlfp/stepcost.py: the
+    decode-only cost plus a cost per prompt token) and leaves the ratio of its
+    time to what the model predicted. The setpoint is T divided by the
+    `quantile` of the recent ratios, so the step times' spread, not their mean,
+    is what meets T. The cap is the number of prompt tokens the model fits under
+    the setpoint, at once, with no climb: what was learned survives `reset()`,
+    so each foreground turn starts at the right cap. A step that misses T also
+    shrinks the cap by equation (2) at once.
 
-    When even the minimum chunk would break T at the quantile, the cap is 0: no
-    background prompt token joins a guarded step (counted in `zero_steps`), and
-    one step in `probe_every` carries the minimum chunk so the model sees when
-    the device is free again.
+    When even the minimum chunk would break T at the quantile (and `zero_cap`),
+    the cap is 0: no background prompt token joins a guarded step (counted in
+    `zero_steps`). The decode-only steps observed meanwhile keep the base cost
+    current, so the cap returns when the device is free again; one guarded step
+    in `probe_every` carries the minimum chunk in case the per-token cost moved.
     """
 
     source = COMPLETION
@@ -253,7 +256,6 @@ class TailDLFP(PrefillPolicy):
         self.model = StepCostModel(params.forgetting)
         self._ratios: deque[float] = deque(maxlen=params.window)
         self._cap = params.initial
-        self._next_pos = 0.0
         self._misses_at_min = 0
         self._asked_at_zero = 0
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
@@ -263,24 +265,25 @@ class TailDLFP(PrefillPolicy):
             return self._cap
         self._asked_at_zero += 1
         if self._asked_at_zero % self.params.probe_every == 0:
-            return self.params.minimum  # a probe: is the device free again?
+            return self.params.minimum  # a probe: does the minimum chunk fit again?
         self.zero_steps += 1
         return 0
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         p = self.params
         ran_with = self._cap if cap is None else cap
-        n = shape.n_prefill if shape is not None and shape.n_prefill else ran_with
-        if latency_s <= 0 or n <= 0:
+        n = shape.n_prefill if shape is not None else ran_with
+        if latency_s <= 0 or n < 0:
             return  # nothing to learn from
-        pos = shape.mean_prefill_position if shape is not None else 0.0
         latency_ms = latency_s * 1e3
-        if self.model.n_obs >= WARMUP_OBSERVATIONS:
-            predicted = self.model.predict(n, pos)
-            if predicted > 0:
-                self._ratios.append(latency_ms / predicted)
-        self.model.update(latency_ms, n, pos)
-        self._next_pos = pos + n  # the next chunk of a document starts where this one ended
+        predicted = self.model.predict(n)
+        if predicted and self.model.n_obs >= WARMUP_OBSERVATIONS:
+            self._ratios.append(latency_ms / predicted)
+        self.model.update(latency_ms, n)
+        if n == 0:  # a decode-only guarded step: the base moved, so may the cap
+            if self.model.ready and (self._cap == 0 or ran_with == 0):
+                self._cap = self._planned()
+            return
         missed = latency_s > p.target_s
         self._misses_at_min = self._misses_at_min + 1 if n <= p.minimum and missed else 0
         new = self._planned()
@@ -308,9 +311,9 @@ class TailDLFP(PrefillPolicy):
     def _planned(self) -> int:
         """Tokens the model fits under the setpoint, floored to the quantum and clamped."""
         p = self.params
-        if self.model.n_obs == 0:
+        if not self.model.ready:
             return p.initial
-        room = self.model.tokens_within(self.setpoint_s() * 1e3, self._next_pos)
+        room = self.model.tokens_within(self.setpoint_s() * 1e3)
         if room < p.minimum:
             young = self.model.n_obs < WARMUP_OBSERVATIONS
             return 0 if p.zero_cap and not young else p.minimum
@@ -318,8 +321,7 @@ class TailDLFP(PrefillPolicy):
 
     def reset(self) -> None:
         # What was learned is a property of the device and model, not of one turn:
-        # keep it, and start the next turn at the cap it gives (at position 0).
-        self._next_pos = 0.0
+        # keep it, and start the next turn at the cap it gives.
         self._asked_at_zero = 0
         self._cap = self._planned()
 
@@ -329,10 +331,10 @@ class TailDLFP(PrefillPolicy):
 
     def state(self) -> dict:
         """What the controller has learned (for traces and the study)."""
-        a, b, c = (float(v) for v in self.model.theta)
+        m = self.model
         return {"cap": self._cap, "spread": self.spread(), "setpoint_ms": self.setpoint_s() * 1e3,
-                "base_ms": a, "per_token_ms": b, "per_token_per_1k_pos_ms": c,
-                "observations": self.model.n_obs, "zero_steps": self.zero_steps}
+                "base_ms": m.base_ms, "token_ms": m.token_ms, "observations": m.n_obs,
+                "zero_steps": self.zero_steps}
 
     def describe(self) -> dict:
         return describe_params(self.name, self.source, self.params)

@@ -287,7 +287,7 @@ class Engine:
         except BackendError as exc:
             self._fail_plan(step, str(exc))
             return
-        if step.capped and self.policy.source != CADENCE:
+        if step.guarded and self.policy.source != CADENCE:  # decode-only guarded steps too: the base cost
             observed = result.duration_s
             self.policy.observe(observed, cap=step.cap, shape=shape_of(step.plan))
         if step.budgeted and self.preemption is not None:
