@@ -57,6 +57,7 @@ def designs(params: DLFPParams, caps: list[int]) -> dict[str, Callable[[], Prefi
     out["dlfp q=0.95"] = lambda: TailDLFP(replace(params, quantile=0.95))
     out["dlfp no-zero"] = lambda: TailDLFP(replace(params, zero_cap=False))
     out["dlfp window=512"] = lambda: TailDLFP(replace(params, window=512))
+    out["dlfp forgetting=0.8"] = lambda: TailDLFP(replace(params, forgetting=0.8))
     return out
 
 
@@ -97,7 +98,7 @@ def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: i
         backend.cost_factor = cond.shift if third == 1 else 1.0
         d = backend.time_step(step.plan)
         t0, t = t, t + d + STEP_OVERHEAD_S
-        if step.capped:
+        if step.guarded:  # as the engine: every guarded step, decode-only ones too
             policy.observe(d, cap=step.cap, shape=shape_of(step.plan))
         if step.budgeted:
             budget.observe(d, shape=shape_of(step.plan))
