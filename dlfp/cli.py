@@ -9,7 +9,7 @@ import click
 
 from dlfp.devices.profiles import load_profile
 
-POLICY_HELP = "comma-separated: unbounded, dlfp, dlfp-cadence, fixed:N"
+POLICY_HELP = "comma-separated: unbounded, dlfp, dlfp-paper, dlfp-cadence, fixed:N"
 
 
 class UserError(click.ClickException):
