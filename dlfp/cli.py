@@ -44,6 +44,7 @@ LAZY_COMMANDS = {
     "check-backend": "dlfp.backends.conformance:check_backend_command",
     "export-executorch": "dlfp.backends.executorch_export:export_command",
     "serve": "dlfp.server.cli:serve",
+    "soak": "dlfp.server.soak:soak",
 }
 
 

@@ -153,7 +153,7 @@ BAD = [
     ("negative max_tokens", {"prompt": [5, 6], "max_tokens": -3}, 400, "max_tokens"),
     ("huge max_tokens", {"prompt": [5, 6], "max_tokens": 10**9}, 400, "max_tokens"),
     ("prompt past the context", {"prompt": [5] * 3000, "max_tokens": 4}, 400, "prompt"),
-    ("token outside the vocabulary", {"prompt": [5, 10**6], "max_tokens": 4}, 400, None),
+    ("token outside the vocabulary", {"prompt": [5, 10**6], "max_tokens": 4}, 400, "prompt"),
     ("unknown model", {"prompt": [5, 6], "model": "gpt-9"}, 404, "model"),
     ("bad priority", {"prompt": [5, 6], "priority": "urgent"}, 400, "priority"),
     ("temperature out of range", {"prompt": [5, 6], "temperature": 7}, 400, "temperature"),
