@@ -148,11 +148,9 @@ class EngineBridge:
         if ev.token_id is not None:
             base = sub.t_submit if sub.last_t is None else sub.last_t
             (self.metrics.ttft if sub.last_t is None else self.metrics.itl).labels(priority).observe(ev.t - base)
-            self.metrics.generated.labels(priority).inc()
             sub.last_t = ev.t
         else:
-            sub.finish_reason = ev.finish_reason
-            self.metrics.finished.labels(priority, ev.finish_reason).inc()
+            sub.finish_reason = ev.finish_reason  # /metrics counts it when the client's response ends
             if ev.request_id in self.at_signal:
                 self.at_signal[ev.request_id] = ev.finish_reason
             del self.in_flight[ev.request_id]
