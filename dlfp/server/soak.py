@@ -42,7 +42,7 @@ BAD_BODIES = [
     ({"messages": ["x"]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": 5}, 400, "stream_options"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 9}, 400, "temperature"),
-    ({"prompt": [1, 2, 10**9], "max_tokens": 2}, 400, None),
+    ({"prompt": [1, 2, 10**9], "max_tokens": 2}, 400, "prompt"),
     ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
 ]
 
@@ -67,12 +67,12 @@ class Tally:
 
 
 class Client:
-    def __init__(self, base: str, tally: Tally, seed: int, docs: list[str], api_key: str | None):
+    def __init__(self, base: str, tally: Tally, seed: int, docs: list[str], api_key: str | None, bg_chars: int):
         import httpx
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base, timeout=300, headers=headers)
-        self.tally, self.rng, self.docs = tally, random.Random(seed), docs
+        self.tally, self.rng, self.docs, self.bg_chars = tally, random.Random(seed), docs, bg_chars
 
     def run(self, until: float) -> None:
         kinds = ["chat_stream"] * 8 + ["chat"] * 4 + ["background"] * 4 + ["stop_stream"] * 2 + ["hang_up", "bad"]
@@ -101,8 +101,8 @@ class Client:
 
     def background(self) -> None:
         doc = self.rng.choice(self.docs)
-        start = self.rng.randint(0, max(0, len(doc) - 1500))
-        body = {"prompt": f"Summarise:\n{doc[start:start + 1500]}\nSummary:", "max_tokens": 16,
+        start = self.rng.randint(0, max(0, len(doc) - self.bg_chars))
+        body = {"prompt": f"Summarise:\n{doc[start:start + self.bg_chars]}\nSummary:", "max_tokens": 16,
                 "temperature": 0, "priority": "background"}
         self._plain("/v1/completions", body)
 
@@ -128,8 +128,8 @@ class Client:
             self.tally.hung_up_tokens += got
             self.tally.hung_up_max += body["max_tokens"]
 
-    def bad(self) -> None:
-        body, status, param = self.rng.choice(BAD_BODIES)
+    def bad(self, which: int | None = None) -> None:
+        body, status, param = self.rng.choice(BAD_BODIES) if which is None else BAD_BODIES[which]
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = self.http.post(path, json=body)
         err = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -260,7 +260,11 @@ class ServerProcess:
 
         return psutil.Process(self.proc.pid).memory_info().rss / 2**20
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, settle_s: float = 30.0) -> dict[str, float]:
+        """The counters once nothing is in flight (a hung-up stream is counted when the server notices)."""
+        deadline = time.monotonic() + settle_s
+        while self.http.get("/health").json().get("in_flight") and time.monotonic() < deadline:
+            time.sleep(0.1)
         return metrics_snapshot(self.http.get("/metrics").text)
 
     def stop(self, timeout: float = 60) -> int | None:
@@ -274,7 +278,7 @@ class ServerProcess:
 
 
 def run_soak(minutes: float, clients: int, serve_args: list[str], sample_s: float, warmup_s: float,
-             seed: int, api_key: str | None = None, on_sample=None) -> dict:
+             seed: int, bg_chars: int = 1500, api_key: str | None = None, on_sample=None) -> dict:
     from dlfp.workloads.laptop import load_documents
 
     docs = [d.text for d in load_documents(None)]
@@ -284,15 +288,18 @@ def run_soak(minutes: float, clients: int, serve_args: list[str], sample_s: floa
     t0 = time.monotonic()
     until = t0 + minutes * 60
     try:
-        workers = [threading.Thread(target=Client(server.base, tally, seed + i, docs, api_key).run,
+        workers = [threading.Thread(target=Client(server.base, tally, seed + i, docs, api_key, bg_chars).run,
                                     args=(until,), daemon=True) for i in range(clients)]
         for w in workers:
             w.start()
+        next_sample = time.monotonic()
         while any(w.is_alive() for w in workers):
-            samples.append((round(time.monotonic() - t0, 1), round(server.rss_mb(), 2)))
-            if on_sample:
-                on_sample(samples[-1], tally)
-            time.sleep(min(sample_s, max(0.1, until - time.monotonic())) if time.monotonic() < until else 0.5)
+            if time.monotonic() >= next_sample:
+                samples.append((round(time.monotonic() - t0, 1), round(server.rss_mb(), 2)))
+                if on_sample:
+                    on_sample(samples[-1], tally)
+                next_sample += sample_s
+            time.sleep(0.2)
         samples.append((round(time.monotonic() - t0, 1), round(server.rss_mb(), 2)))
         snapshot = server.metrics()
     finally:
@@ -300,7 +307,7 @@ def run_soak(minutes: float, clients: int, serve_args: list[str], sample_s: floa
     checks = reconcile(tally, snapshot)
     growth = rss_growth(samples, warmup_s)
     result = {
-        "minutes": minutes, "clients": clients, "serve_args": serve_args, "seed": seed,
+        "minutes": minutes, "clients": clients, "bg_chars": bg_chars, "serve_args": serve_args, "seed": seed,
         "requests_completed": sum(tally.completed.values()), "finish_reasons": dict(tally.completed),
         "completion_tokens": tally.tokens, "hung_up": tally.hung_up, "bad_bodies_answered": tally.bad_ok,
         "rejected_429": tally.rejected_429, "errors": len(tally.errors), "error_examples": tally.errors[:20],
@@ -325,8 +332,11 @@ def run_soak(minutes: float, clients: int, serve_args: list[str], sample_s: floa
 @click.option("--max-rss-growth", type=float, default=2.0, show_default=True,
               help="Percent RSS growth after the warm-up that fails the soak.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--bg-chars", type=click.IntRange(1), default=1500, show_default=True,
+              help="Characters of document text in each background prompt (~4 per token).")
 @click.option("--out", type=click.Path(), default="runs/soak/result.json", show_default=True)
-def soak(minutes, clients, max_queue, model, policy, threads, sample_s, warmup_min, max_rss_growth, seed, out):
+def soak(minutes, clients, max_queue, model, policy, threads, sample_s, warmup_min, max_rss_growth, seed, bg_chars,
+         out):
     """Mixed traffic against a fresh `dlfp serve`: RSS over time, errors, /metrics reconciled."""
     args = ["--policy", policy, "--max-queue", str(max_queue)]
     args += ["--model", model] if model else []
@@ -337,7 +347,7 @@ def soak(minutes, clients, max_queue, model, policy, threads, sample_s, warmup_m
         click.echo(f"  t={sample[0]:7.1f} s  rss {sample[1]:8.1f} MB  completed {sum(tally.completed.values())}"
                    f"  429s {tally.rejected_429}  errors {len(tally.errors)}", err=True)
 
-    result = run_soak(minutes, clients, args, sample_s, warmup_s, seed, on_sample=show)
+    result = run_soak(minutes, clients, args, sample_s, warmup_s, seed, bg_chars, on_sample=show)
     growth = result["rss_growth"]["percent"]
     result["max_rss_growth_percent"] = max_rss_growth
     if growth is None or growth >= max_rss_growth:
