@@ -130,12 +130,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        load = state.engine.load() | {"free_slots": len(state.engine.scheduler.free_slots),
-                                      "in_flight": len(state.bridge.in_flight)}
         failure = engine_failure(state.engine)
         if failure is not None:  # a supervisor should restart this server
-            return JSONResponse({"status": "failed", "error": failure, "policy": state.policy, **load},
-                                status_code=503)
+            return JSONResponse({"status": "failed", "error": failure, "policy": state.policy,
+                                 "in_flight": len(state.bridge.in_flight)}, status_code=503)
+        load = state.engine.load() | {"free_slots": len(state.engine.scheduler.free_slots),
+                                      "in_flight": len(state.bridge.in_flight)}
         status = "draining" if state.bridge.draining else "ok"
         return JSONResponse({"status": status, "policy": state.policy, **load},
                             status_code=503 if state.bridge.draining else 200)
