@@ -270,3 +270,39 @@ def test_no_request_is_left_behind_in_the_server(backend):
             with c.stream("POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4, "stream": True}) as r:
                 assert list(r.iter_lines())[-2:] == ["data: [DONE]", ""] or r.status_code == 200
         assert state.bridge.in_flight == {}
+
+
+WEIRD = [None, -1, 0, 1, 2**64, -(2**63) - 1, 5e-324, 1e308, -0.0, "", "x", "NaN", [], {}, [1], [[]], ["a"],
+         [{"role": "user", "content": "hi"}], {"include_usage": True}, {"include_usage": "yes"}, True, False,
+         [5, 6, 7], [{"type": "text", "text": "hi"}], [{"type": "image_url"}], "background", "\u0000\ud7ff"]
+FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+          "stream_options", "n", "ignore_eos", "return_token_ids", "priority", "logprobs", "echo", "suffix", "tools"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_bodies_get_a_named_4xx_or_an_answer_and_the_engine_serves_on(backend, path):
+    import random
+
+    rng = random.Random(13)
+    c, state = make_client(backend, max_tokens_limit=3)
+    base = {"prompt": [5, 6]} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    with c:
+        for _ in range(120):
+            body = dict(base)
+            for field in rng.sample(FIELDS, rng.randint(1, 4)):
+                body[field] = rng.choice(WEIRD)
+            if rng.random() < 0.3:  # the prompt or the messages themselves
+                key = next(iter(base))
+                body[key] = rng.choice(WEIRD)
+            if body.get("model") is not None:
+                del body["model"]  # a wrong model name is a 404 (tested elsewhere), which hides the rest
+            r = c.post(path, json=body)
+            assert r.status_code in (200, 400, 404), (body, r.status_code, r.text)
+            if r.status_code != 200:
+                err = r.json()["error"]
+                assert err["message"], body
+                assert err["param"] is not None or "JSON object" in err["message"] or "vocabulary" in err["message"] \
+                    or "empty" in err["message"], (body, err)
+        assert c.get("/health").status_code == 200
+        complete(c, max_tokens=2)
+        assert state.bridge.in_flight == {}
