@@ -25,7 +25,7 @@ from dlfp.server.schemas import ChatRequest, CompletionRequest, parse, unknown_m
 
 log = logging.getLogger("dlfp.server")
 OWNED_BY = "dlfp"  # how a client (dlfp's endpoint bench) recognises a server that takes `priority`
-TRACE_KEEP = 4096  # a server runs for days: keep only the latest step/request records
+TRACE_KEEP = 512  # a server runs for days and reads no trace: keep only the latest records (for debugging)
 
 
 @dataclass(frozen=True)

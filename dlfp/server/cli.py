@@ -22,7 +22,7 @@ from dlfp.cli import POLICY_HELP, UserError, get_profile, model_options, open_ba
               help="Seconds in-flight requests get to finish after SIGTERM before they are aborted.")
 @click.option("--kv-unified", is_flag=True, help="llama.cpp: one KV cache shared by all sequences.")
 @click.option("--max-body-mb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
-              help="Largest request body; larger ones get HTTP 413 before they are read or tokenised.")
+              help="Largest request body in MiB; larger ones get HTTP 413 before they are read or tokenised.")
 @click.option("--max-tokens-limit", type=click.IntRange(1), default=None,
               help="Most tokens one request may generate (a larger max_tokens gets HTTP 400). Also the default "
                    "when a request omits max_tokens; without this option that default is the whole remaining "
