@@ -164,22 +164,23 @@ async def _stream(job: Job, sub: Submitted, text: TextStream) -> AsyncIterator[s
                 n_out += 1
                 piece, ids = text.push(ev.token_id), [ev.token_id]
                 end = _stopped(ev) if text.stopped else await sub.final(job.is_last(ev.token_id, n_out))
+            # Counted as sent when handed to the server (before the yield, which a hang-up may interrupt).
             if end is None:
-                yield _sse(job.chunk(piece, ids))
                 sub.sent(1)
+                yield _sse(job.chunk(piece, ids))
                 continue
             reason, error = _outcome(end)
             if error is not None:
                 if ids:
-                    yield _sse(job.chunk(piece, ids))
                     sub.sent(1)
+                    yield _sse(job.chunk(piece, ids))
                 sub.conclude(reason)
                 yield _sse(error.body())
                 break
             piece += text.flush()
-            yield _sse(job.chunk(piece if (piece or ids) else None, ids, reason))
             sub.sent(len(ids or ()))
             sub.conclude(reason)
+            yield _sse(job.chunk(piece if (piece or ids) else None, ids, reason))
             if job.body.include_usage:
                 yield _sse(job.usage_chunk(n_out))
             break
