@@ -57,6 +57,7 @@ class Tally:
     hung_up_tokens: int = 0  # tokens those streams had received
     hung_up_max: int = 0  # the most tokens those streams could have been sent
     rejected_429: int = 0
+    status_5xx: int = 0
     bad_ok: int = 0  # malformed bodies answered as expected
     errors: list[str] = field(default_factory=list)  # anything else: 5xx, wrong 4xx, broken streams
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -148,6 +149,9 @@ class Client:
                 self.tally.rejected_429 += 1
             time.sleep(float(r.headers.get("retry-after", "1")))
         else:
+            if r.status_code >= 500:
+                with self.tally.lock:
+                    self.tally.status_5xx += 1
             self.tally.error(f"{kind}: HTTP {r.status_code}: {r.text}")
         return False
 
@@ -310,7 +314,8 @@ def run_soak(minutes: float, clients: int, serve_args: list[str], sample_s: floa
         "minutes": minutes, "clients": clients, "bg_chars": bg_chars, "serve_args": serve_args, "seed": seed,
         "requests_completed": sum(tally.completed.values()), "finish_reasons": dict(tally.completed),
         "completion_tokens": tally.tokens, "hung_up": tally.hung_up, "bad_bodies_answered": tally.bad_ok,
-        "rejected_429": tally.rejected_429, "errors": len(tally.errors), "error_examples": tally.errors[:20],
+        "rejected_429": tally.rejected_429, "status_5xx": tally.status_5xx, "errors": len(tally.errors),
+        "error_examples": tally.errors[:20],
         "rss_samples": samples, "rss_growth": growth, "reconciliation": checks,
         "drain_exit_code": exit_code, "server_log": str(server.log),
     }
