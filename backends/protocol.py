@@ -171,13 +171,14 @@ class Backend(ABC):
     @abstractmethod
     def detokenize(self, token_ids: list[int]) -> str: ...
 
-    def token_bytes(self, token_ids: list[int]) -> bytes:
+    def token_bytes(self, token_ids: list[int]) -> bytes | None:
         """Raw bytes of tokens, so a stream can hold back a split UTF-8 character.
 
-        Adapters whose tokenizer has byte pieces override this; the default is exact
-        only for tokenizers whose every token decodes to whole characters.
+        None (the default): the tokenizer has no byte pieces to give (decoding one
+        token alone may drop its leading space), so a stream decodes the whole
+        output and hands out the new suffix instead.
         """
-        return self.detokenize(token_ids).encode("utf-8")
+        return None
 
     @abstractmethod
     def is_eos(self, token_id: int) -> bool: ...

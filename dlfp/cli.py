@@ -42,6 +42,7 @@ LAZY_COMMANDS = {
     "export-executorch": "dlfp.backends.executorch_export:export_command",
     "serve": "dlfp.server.cli:serve",
     "study": "dlfp.study:study",
+    "soak": "dlfp.server.soak:soak",
 }
 
 
