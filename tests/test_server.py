@@ -321,7 +321,7 @@ def test_endpoint_target_refuses_a_dead_url():
 
 
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
-    s = Server(model, "--policy", "unbounded", "--shutdown-grace", "2")
+    s = Server(model, "--policy", "unbounded", "--shutdown-grace", "3")
     assert s.metric("dlfp_prefill_cap_tokens") != s.metric("dlfp_prefill_cap_tokens")  # NaN: no cap
     ends: dict[str, tuple[str, str]] = {}
 
@@ -334,7 +334,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
         ends[name] = (json.loads(lines[0][6:])["id"], "error" if "error" in last else "finished")
 
     started = {k: threading.Event() for k in ("short", "long")}
-    threads = [threading.Thread(target=run, args=(k, n, started[k])) for k, n in (("short", 200), ("long", LONG))]
+    threads = [threading.Thread(target=run, args=(k, n, started[k])) for k, n in (("short", 50), ("long", LONG))]
     try:
         for t in threads:
             t.start()
