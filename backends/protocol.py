@@ -183,6 +183,11 @@ class Backend(ABC):
     @abstractmethod
     def is_eos(self, token_id: int) -> bool: ...
 
+    def max_token_bytes(self) -> int | None:
+        """The most input bytes one token can cover, so a server can refuse text that
+        cannot fit the context before tokenising it. None: no sound bound is known."""
+        return None
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt, rendered with the model's own template."""
         raise BackendError(f"backend {self.name} has no chat template")

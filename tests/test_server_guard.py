@@ -22,7 +22,6 @@ from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sampling import sample  # noqa: E402
 from dlfp.sequence import Request, SamplingParams  # noqa: E402
 from dlfp.server.app import ServeOptions, ServerState, create_app  # noqa: E402
-from dlfp.server.limits import bytes_per_token  # noqa: E402
 
 ORIGIN = "http://127.0.0.1"  # TestClient's default Host ("testserver") is not on the allow-list
 
@@ -124,7 +123,7 @@ def test_a_stopped_engine_makes_health_503(backend):
 
 def test_prompt_past_the_context_is_refused_before_tokenising(backend, monkeypatch):
     c, state = make_client(backend)
-    per_token = bytes_per_token(backend)
+    per_token = backend.max_token_bytes()
     context = backend.capabilities.context_per_sequence
     assert per_token is not None and per_token >= 4
     calls = []
@@ -144,7 +143,7 @@ def test_prompt_past_the_context_is_refused_before_tokenising(backend, monkeypat
 def test_the_length_bound_is_sound(backend):
     """The bound says n bytes become at least n / bytes_per_token tokens: check it on text
     made of the vocabulary's longest pieces, the worst case for it."""
-    per_token = bytes_per_token(backend)
+    per_token = backend.max_token_bytes()
     pieces = sorted(range(backend.capabilities.vocab_size),
                     key=lambda t: -len(backend.token_bytes([t], special=True)))[:20]
     for t in pieces:

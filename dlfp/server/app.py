@@ -19,7 +19,7 @@ from dlfp.server.bridge import EngineBridge, engine_dead, engine_failure
 from dlfp.server.completions import make_job, resolve_priority, respond
 from dlfp.server.errors import APIError, bad_request
 from dlfp.server.exposure import Exposure, install
-from dlfp.server.limits import Limits, bytes_per_token, check_text_fits, read_body
+from dlfp.server.limits import RequestLimits, check_text_fits, read_body
 from dlfp.server.metrics import ServerMetrics
 from dlfp.server.schemas import ChatRequest, CompletionRequest, parse, unknown_model
 
@@ -49,8 +49,8 @@ class ServerState:
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine)
         self.bridge = EngineBridge(self.engine, self.metrics, self.options.max_queue)
-        self.limits = Limits(self.options.max_body_bytes, self.options.max_tokens_limit,
-                             bytes_per_token(self.engine.backend))
+        self.limits = RequestLimits(self.options.max_body_bytes, self.options.max_tokens_limit,
+                                    self.engine.backend.max_token_bytes())
         self.created = int(time.time())
         self.engine.step_hooks.append(self._bound_trace)
 

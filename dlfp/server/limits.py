@@ -5,25 +5,17 @@ costs at most `max_body_bytes` of reading.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from dlfp.server.errors import APIError, bad_request
 
-LLAMA_VOCAB_SPM, LLAMA_VOCAB_BPE = 1, 2  # llama.cpp's enum llama_vocab_type
-# SentencePiece writes a space as "▁" (3 bytes) and a piece turns it back into one space,
-# so a token may cover up to 3 input bytes per byte of its piece (a literal "▁" in the text).
-SPM_SPACE_FACTOR = 3
-UTF8_MAX = 4  # an unknown character becomes one token per character at worst (<unk>), never fewer
-
-
 @dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     max_body_bytes: int
     max_tokens_limit: int | None = None  # None: a request may ask for the whole remaining context
-    bytes_per_token: int | None = None  # the most input bytes one token can cover; None: unknown
+    bytes_per_token: int | None = None  # the most input bytes one token can cover (Backend.max_token_bytes)
 
     def min_tokens(self, n_bytes: int) -> int:
         """A lower bound on the tokens `n_bytes` of text become (0 when no bound is known)."""
@@ -56,7 +48,7 @@ def _too_large(limit: int) -> APIError:
                          f"(--max-body-mb)", code="request_too_large")
 
 
-def check_text_fits(limits: Limits, n_bytes: int, context: int, param: str) -> None:
+def check_text_fits(limits: RequestLimits, n_bytes: int, context: int, param: str) -> None:
     """Refuse text that cannot fit the context, from its length alone (before tokenising it)."""
     at_least = limits.min_tokens(n_bytes)
     if at_least >= context:
@@ -64,25 +56,3 @@ def check_text_fits(limits: Limits, n_bytes: int, context: int, param: str) -> N
                           f"(one token covers at most {limits.bytes_per_token} bytes with this vocabulary); "
                           f"this server's context is {context} tokens per sequence",
                           param=param, code="context_length_exceeded")
-
-
-def bytes_per_token(backend) -> int | None:
-    """The most input bytes one token of `backend`'s tokenizer can cover, or None if unknown.
-
-    Sound for llama.cpp's BPE vocabularies (each token is a run of the input's own
-    bytes, special tokens included when rendered as text) and SPM ones (times 3,
-    see SPM_SPACE_FACTOR). WPM/UGM vocabularies can turn a whole unknown word into
-    one <unk>, so no length bound holds for them: None, and the prompt is tokenised.
-    """
-    ll, vocab = getattr(backend, "_ll", None), getattr(backend, "_vocab", None)
-    if ll is None or vocab is None:
-        return None  # not llama.cpp: no bound known
-    kind = ll.llama_vocab_type(vocab)
-    if kind not in (LLAMA_VOCAB_SPM, LLAMA_VOCAB_BPE):
-        return None
-    buf = ctypes.create_string_buffer(16)
-    # llama_token_to_piece returns -size when the buffer is short: |n| is the piece's length either way.
-    longest = max(abs(ll.llama_token_to_piece(vocab, t, buf, len(buf), 0, True))
-                  for t in range(backend.capabilities.vocab_size))
-    factor = SPM_SPACE_FACTOR if kind == LLAMA_VOCAB_SPM else 1
-    return max(UTF8_MAX, longest * factor)
