@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlfp.backends.mlc.model_dir import ModelFolder
-from dlfp.backends.mlc.tokenizer import ByteTokenizer
+from dlfp.backends.mlc.tokenizer import load_tokenizer
 from dlfp.backends.protocol import (
     TIMING_OUTPUT_READY,
     Backend,
@@ -100,7 +100,10 @@ class MLCStepBackend(Backend):
         self._params = [loaded[n] for n in cfg["param_names"]]
         self._fn = {n: self._function(n) for n in ("embed", "batch_prefill", "batch_decode")}
         self._kv_fn = {n: tvm.get_global_func(f"vm.builtin.kv_state_{n}") for n in KV_FUNCS}
-        self.tokenizer = ByteTokenizer.from_config(cfg["tokenizer"])
+        try:
+            self.tokenizer = load_tokenizer(cfg["tokenizer"], self.folder.path)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"tokenizer of {self.folder.path}: {exc}") from None
         self.hidden = int(cfg["hidden_size"])
         context = min(config.context, int(cfg["context_window_size"]))
         self._kv = self._create_kv(context)
@@ -220,19 +223,19 @@ class MLCStepBackend(Backend):
 
     # -- text --------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text)  # the byte tokenizer has no BOS to add
+        return self.tokenizer.encode(text, add_special)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
     def token_bytes(self, token_ids: list[int], special: bool = False) -> bytes:
-        return self.tokenizer.decode_bytes(token_ids, special)
+        return self.tokenizer.token_bytes(token_ids, special)
 
     def is_eos(self, token_id: int) -> bool:
-        return token_id in self.tokenizer.eos_ids
+        return self.tokenizer.is_eos(token_id)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+        return self.tokenizer.chat(messages)
 
     def describe(self) -> dict:
         return {
