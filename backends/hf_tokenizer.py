@@ -24,7 +24,8 @@ EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", 
 
 
 class HFTokenizer:
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, meta: dict | None = None):
+        """`meta` (eog_ids, bos_id, add_bos) stands in for dlfp-tokenizer.json, e.g. from mlc-chat-config.json."""
         from tokenizers import Tokenizer
 
         self.folder = Path(folder)
@@ -36,6 +37,7 @@ class HFTokenizer:
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         meta_path = self.folder / DLFP_TOKENIZER
         self.meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        self.meta.update({k: v for k, v in (meta or {}).items() if k in ("eog_ids", "bos_id", "add_bos")})
         self.eos_ids = set(self.meta.get("eog_ids") or [])
         self._special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self._special_ids = set(self._special.values())

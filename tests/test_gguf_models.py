@@ -216,3 +216,30 @@ def test_check_model_reports_a_wrong_model(llama_gguf, llama, tmp_path):
     finally:
         backend.close()
     assert not result["vs_torch_fp32"]["passed"] and not result["passed"]
+
+
+def test_mlc_step_mode_reads_mlc_llm_layout(llama_gguf, llama, tmp_path):
+    """mlc-chat-config.json + tensor-cache.json + params shards + tokenizer files + one *.so, as
+    `mlc_llm convert_weight`/`compile` lay them out (written here by our build: untested on real mlc_llm output)."""
+    pytest.importorskip("tvm")
+    from dlfp.backends.mlc.build import build_gguf
+    from dlfp.backends.mlc.model_dir import ModelFolder, ModelFolderError
+    from dlfp.backends.mlc.step import MLCStepBackend, StepConfig
+
+    folder = build_gguf(tmp_path / "mlc", llama_gguf, context=256, layout="mlc", prefill_chunk_size=64)
+    names = {f.name for f in folder.path.iterdir()}
+    assert {"mlc-chat-config.json", "tensor-cache.json", "params_shard_0.bin", "tokenizer.json", "model.so"} <= names
+    assert "dlfp-mlc.json" not in names and "dlfp-tokenizer.json" not in names
+    backend = MLCStepBackend(StepConfig(str(folder.path), max_sequences=2, context=256, prefill_chunk_size=512,
+                                        n_threads=1))
+    try:
+        assert backend.capabilities.max_batch_tokens == 64  # clamped to the compiled limit
+        assert backend.describe()["clamped"] == ["prefill_chunk_size 512 -> 64 (compiled limit)"]
+        assert backend.is_eos(2) and not backend.is_eos(3)  # from mlc-chat-config.json's token ids
+        result = _check(backend, llama, llama_gguf)
+    finally:
+        backend.close()
+    assert result["passed"] and result["vs_torch_fp32"]["max_share_of_spread"] < 1e-4
+    (folder.path / "extra.so").write_bytes(b"")
+    with pytest.raises(ModelFolderError, match="2 compiled libraries"):
+        ModelFolder.open(folder.path)

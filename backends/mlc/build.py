@@ -1,6 +1,6 @@
 """Build an MLC step-mode model folder from a Llama-family GGUF (real weights and tokenizer).
 
-    python -m dlfp.backends.mlc.build OUT --gguf FILE|default [--context 2048]
+    python -m dlfp.backends.mlc.build OUT --gguf FILE|default [--context 2048] [--layout dlfp|mlc]
 
 Reads the GGUF with `gguf_weights` (the reader `dlfp export-executorch --gguf`
 shares), compiles the Llama model of `tiny_model` at the GGUF's shape with
@@ -8,6 +8,10 @@ apache-tvm for the CPU, and writes the folder `model_dir` describes with the
 dequantised float32 weights and the GGUF's tokenizer (`tokenizer/`). TVM's RoPE
 rotates halves, so the Q/K rows llama.cpp permuted are put back first. Tens of
 seconds for SmolLM2-135M.
+
+`--layout mlc` writes MLC-LLM's own layout instead (mlc-chat-config.json, a
+tensor-cache.json over params_shard_*.bin, the tokenizer files at the top, the
+library as model.so): the layout model_dir reads from `mlc_llm compile` output.
 """
 from __future__ import annotations
 
@@ -54,19 +58,62 @@ def mlc_weights(cfg, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def build_gguf(out: str | Path, gguf_path: str | Path, context: int = 2048) -> ModelFolder:
+def build_gguf(out: str | Path, gguf_path: str | Path, context: int = 2048, layout: str = "dlfp",
+               prefill_chunk_size: int = 2048) -> ModelFolder:
     from dlfp.backends import gguf_weights
 
+    if layout not in ("dlfp", "mlc"):
+        raise ValueError(f"layout {layout!r}: choose dlfp or mlc")
     cfg, weights = gguf_weights.load(gguf_path)
     if not 1 <= context <= cfg.context_length:
         raise ValueError(f"--context {context} must be in 1..{cfg.context_length} (the model's context)")
     out = Path(out)
-    gguf_weights.write_tokenizer(gguf_path, out / TOKENIZER_DIR)
     mcfg = mlc_config(cfg, context)
+    params = mlc_weights(cfg, weights)
+    model = {"architecture": "llama", "gguf": str(Path(gguf_path).resolve()), **cfg.to_dict()}
+    if layout == "mlc":
+        return _write_mlc_layout(out, gguf_path, mcfg, params, model, prefill_chunk_size)
+    gguf_weights.write_tokenizer(gguf_path, out / TOKENIZER_DIR)
     shapes = compile_model(mcfg, out)
-    return write_folder(out, mcfg, shapes, mlc_weights(cfg, weights), {"kind": "hf", "folder": TOKENIZER_DIR},
-                        {"architecture": "llama", "gguf": str(Path(gguf_path).resolve()), **cfg.to_dict()},
+    return write_folder(out, mcfg, shapes, params, {"kind": "hf", "folder": TOKENIZER_DIR}, model,
                         "dequantised float32 from the GGUF")
+
+
+def _write_mlc_layout(out: Path, gguf_path, mcfg, params: dict, model: dict, prefill_chunk_size: int) -> ModelFolder:
+    """MLC-LLM's folder layout with this build's library and float32 weights (MLC would name it q0f32)."""
+    import json
+
+    from tvm.contrib.tvmjs import dump_tensor_cache
+
+    from dlfp.backends import gguf_weights
+    from dlfp.backends.hf_tokenizer import DLFP_TOKENIZER
+    from dlfp.backends.mlc.model_dir import MLC_CONFIG_NAME
+
+    import contextlib
+    import io
+
+    shapes = compile_model(mcfg, out)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard
+        dump_tensor_cache([(name, params[name]) for name, _ in shapes], str(out), encode_format="raw",
+                          show_progress=False)
+    gguf_weights.write_tokenizer(gguf_path, out)
+    tok = json.loads((out / DLFP_TOKENIZER).read_text())
+    (out / DLFP_TOKENIZER).unlink()  # MLC keeps token ids in mlc-chat-config.json instead
+    (out / MLC_CONFIG_NAME).write_text(json.dumps({
+        "model_type": "llama",
+        "quantization": "q0f32",
+        "model_config": {**mcfg.to_dict(), "tie_word_embeddings": model["tied_embeddings"]},
+        "vocab_size": mcfg.vocab_size,
+        "context_window_size": mcfg.context_window_size,
+        "prefill_chunk_size": prefill_chunk_size,
+        "max_batch_size": 80,
+        "bos_token_id": tok["bos_id"],
+        "eos_token_id": tok["eog_ids"],
+        "conv_template": {"name": "chatml", "stop_token_ids": tok["eog_ids"]},
+        "tokenizer_files": sorted(f.name for f in out.iterdir() if f.name.startswith("tokenizer")),
+        "dlfp_note": f"written by dlfp's MLC build from {Path(gguf_path).name}, not by mlc_llm",
+    }, indent=2) + "\n")
+    return ModelFolder.open(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="folder to write")
     ap.add_argument("--gguf", required=True, help="a Llama-family GGUF, or 'default' (the bundled SmolLM2)")
     ap.add_argument("--context", type=int, default=2048, help="positions per sequence (default 2048)")
+    ap.add_argument("--layout", choices=("dlfp", "mlc"), default="dlfp",
+                    help="dlfp's folder (default) or MLC-LLM's (mlc-chat-config.json + tensor cache)")
     args = ap.parse_args(argv)
     try:
         path = args.gguf
@@ -81,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             from dlfp.models import default_model_path
 
             path = default_model_path()
-        folder = build_gguf(args.out, path, args.context)
+        folder = build_gguf(args.out, path, args.context, args.layout)
     except (ValueError, OSError) as exc:
         print(f"build: {exc}", file=sys.stderr)
         return 2

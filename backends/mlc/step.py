@@ -94,10 +94,12 @@ class MLCStepBackend(Backend):
         self.device = tvm.cpu()
         try:
             self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.folder.lib_path)), self.device)
-            loaded = tvm.runtime.load_param_dict_from_file(str(self.folder.params_path))
+            self._params = self._load_params()
+        except ValueError:
+            raise
         except Exception as exc:  # TVM raises its own error types for a bad library
             raise ValueError(f"could not load the compiled model in {self.folder.path}: {exc}") from None
-        self._params = [loaded[n] for n in cfg["param_names"]]
+        self.config = config = self._clamp(config)
         self._fn = {n: self._function(n) for n in ("embed", "batch_prefill", "batch_decode")}
         self._kv_fn = {n: tvm.get_global_func(f"vm.builtin.kv_state_{n}") for n in KV_FUNCS}
         try:
@@ -118,6 +120,53 @@ class MLCStepBackend(Backend):
             max_batch_tokens=config.prefill_chunk_size,
             vocab_size=int(cfg["vocab_size"]),
         )
+
+    def _load_params(self) -> list:
+        """The weights in the order the compiled functions take them."""
+        tvm, cfg = self._tvm, self.folder.config
+        if not self.folder.is_tensor_cache:
+            loaded = tvm.runtime.load_param_dict_from_file(str(self.folder.params_path))
+            return [loaded[n] for n in cfg["param_names"]]
+        names = self._metadata().get("params")
+        if names is not None:
+            if any(p.get("preprocs") for p in names):
+                raise ValueError(f"{self.folder.path}: weights need preprocessing (tensor-parallel shards); "
+                                 "step mode runs unsharded models")
+            names = [p["name"] for p in names]
+        else:  # a library without MLC's metadata: the tensor cache lists the weights in order
+            import json
+
+            index = json.loads(self.folder.params_path.read_text())
+            names = [r["name"] for shard in index["records"] for r in shard["records"]]
+        tvm.get_global_func("vm.builtin.tensor_cache.load")(str(self.folder.path), self.device.dlpack_device_type(), 0)
+        try:
+            params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")(names)
+        finally:
+            tvm.get_global_func("vm.builtin.tensor_cache.clear")()  # the VM holds its own references
+        return list(params)
+
+    def _metadata(self) -> dict:
+        """MLC's `_metadata` (param order, compile-time limits) when the library has it."""
+        import json
+
+        if not self._vm.module.implements_function("_metadata"):
+            return {}
+        return json.loads(str(self._vm["_metadata"]()))
+
+    def _clamp(self, config: StepConfig) -> StepConfig:
+        """Keep the sizes within the compiled library's limits (mlc-chat-config.json / its metadata)."""
+        from dataclasses import replace
+
+        cfg, meta = self.folder.config, self._metadata()
+        self.clamped: list[str] = []
+        limits = {"prefill_chunk_size": cfg.get("prefill_chunk_size") or meta.get("prefill_chunk_size"),
+                  "max_sequences": cfg.get("max_batch_size")}
+        changes = {}
+        for key, limit in limits.items():
+            if isinstance(limit, int) and limit > 0 and getattr(config, key) > limit:
+                changes[key] = limit
+                self.clamped.append(f"{key} {getattr(config, key)} -> {limit} (compiled limit)")
+        return replace(config, **changes)
 
     def _function(self, name: str):
         try:
@@ -250,6 +299,8 @@ class MLCStepBackend(Backend):
             "page_size": self.config.page_size,
             "n_threads": self.config.n_threads or f"tvm default ({self._tvm.runtime.num_threads()})",
             "weights": self.folder.config.get("weights"),
+            "format": self.folder.config.get("format"),
+            "clamped": self.clamped,
         }
 
     def close(self) -> None:

@@ -99,5 +99,5 @@ def load_tokenizer(cfg: dict, folder):
     if cfg.get("kind") == "hf":
         from dlfp.backends.hf_tokenizer import HFTokenizer
 
-        return HFTokenizer(folder / cfg["folder"])
+        return HFTokenizer(folder / cfg["folder"], meta=cfg)
     return ByteTokenizer.from_config(cfg)
