@@ -4,7 +4,9 @@
    decoder (executorch_export.build_decoder). The backend decodes greedily on its
    own; the reference is teacher-forced on those tokens. Pass: every logit within
    `ref_tol` of the reference row's spread (max - min) and the reference's argmax
-   equal to the backend's token at every position (so the greedy texts are equal).
+   equal to the backend's token wherever the reference's top-2 gap is at least
+   `ref_tol` of the spread: with fp32's 1e-4 that is every position but exact ties,
+   so the greedy texts are equal; an int8 program is checked with a looser ref_tol.
 2. **llama.cpp on the same GGUF**: llama.cpp decodes greedily; the backend is
    teacher-forced on llama.cpp's tokens. llama.cpp runs its quantised kernels (it
    multiplies Q4_1/Q8_0 blocks with quantised activations) where the backends run
@@ -87,11 +89,15 @@ def check_against_reference(backend, gguf_path: Path, prompt: list[int], n: int,
     ref = reference_logits(gguf_path, prompt, tokens)
     stats = compare(got, ref)
     ref_tokens = [int(t) for t in ref.argmax(axis=1)]
-    equal = ref_tokens == tokens
+    clear = top2_gap_share(ref) >= tol
+    clear_mism = [k for k in range(n) if ref_tokens[k] != tokens[k] and clear[k]]
+    # With fp32's tolerance (1e-4) nearly every position is clear, so this asks for equal greedy
+    # tokens; with a quantised program's looser one, only where the reference is decided.
     return {"reference": "torch fp32 eager decoder, the GGUF's dequantised weights", "tolerance_share": tol,
-            **stats, "greedy_equal": equal, "backend_tokens": tokens, "reference_argmax": ref_tokens,
+            **stats, "greedy_equal": ref_tokens == tokens, "clear_positions": int(clear.sum()),
+            "argmax_mismatches_where_clear": clear_mism, "backend_tokens": tokens, "reference_argmax": ref_tokens,
             "backend_text": backend.detokenize(tokens),
-            "passed": bool(stats["max_share_of_spread"] <= tol and equal)}
+            "passed": bool(stats["max_share_of_spread"] <= tol and not clear_mism)}
 
 
 def check_against_llamacpp(backend, llama, prompt: list[int], n: int, tol: float) -> dict:
@@ -166,7 +172,8 @@ def check_model_command(backend_name, model, gguf_file, tokens, prompt, ref_tol,
     ref, ll = result["vs_torch_fp32"], result["vs_llamacpp"]
     click.echo(f"prompt ids equal llama.cpp's: {result['prompt_ids_equal_llamacpp']}")
     click.echo(f"vs torch fp32: max {ref['max_share_of_spread']:.2e} of spread (tol {ref_tol:g}), "
-               f"greedy equal: {ref['greedy_equal']} -> {'PASS' if ref['passed'] else 'FAIL'}")
+               f"greedy equal: {ref['greedy_equal']}, argmax mismatches where clear: "
+               f"{len(ref['argmax_mismatches_where_clear'])} -> {'PASS' if ref['passed'] else 'FAIL'}")
     click.echo(f"vs llama.cpp:  max {ll['max_share_of_spread']:.2e} of spread (tol {llama_tol:g}), "
                f"argmax mismatches {len(ll['argmax_mismatches'])} ({len(ll['argmax_mismatches_where_clear'])} "
                f"where clear, {ll['clear_positions']}/{ll['positions']} clear) -> {'PASS' if ll['passed'] else 'FAIL'}")

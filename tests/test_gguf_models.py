@@ -243,3 +243,24 @@ def test_mlc_step_mode_reads_mlc_llm_layout(llama_gguf, llama, tmp_path):
     (folder.path / "extra.so").write_bytes(b"")
     with pytest.raises(ModelFolderError, match="2 compiled libraries"):
         ModelFolder.open(folder.path)
+
+
+def test_executorch_int8_export_costs_little_accuracy(llama_gguf, llama, tmp_path):
+    """The default dtype: XNNPACK's dynamic int8 linear layers, checked with a looser tolerance."""
+    pytest.importorskip("executorch")
+    import warnings
+
+    from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig
+    from dlfp.backends.executorch_export import export_gguf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pte = export_gguf(llama_gguf, tmp_path / "int8.pte", max_seq_len=256, max_chunk=64, dtype="int8")
+    backend = ExecuTorchBackend(ExecuTorchConfig(str(pte), n_seq=2, max_batch_tokens=64, n_threads=1))
+    try:
+        result = _check(backend, llama, llama_gguf, ref_tol=0.05)
+    finally:
+        backend.close()
+    ref = result["vs_torch_fp32"]
+    assert 1e-4 < ref["max_share_of_spread"] < 0.05  # quantised: not fp32-exact, but close
+    assert ref["passed"] and result["vs_llamacpp"]["passed"], result
