@@ -87,16 +87,33 @@ class ByteTokenizer:
     def encode(self, text: str, add_special: bool) -> list[int]:
         return ([self.bos] if add_special else []) + [b + self.offset for b in text.encode("utf-8")]
 
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        # Specials and ids past the byte range decode to nothing.
-        return bytes(t - self.offset for t in ids if self.offset <= t < self.offset + 256)
-
     def decode(self, ids: list[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return self.token_bytes(ids).decode("utf-8", errors="replace")
 
     def chat(self, messages: list[dict]) -> list[int]:
         text = "".join(self.template["message"].format(role=m["role"], content=m["content"]) for m in messages)
         return self.encode(text + self.template["generation_prompt"], add_special=True)
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id == self.eos
+
+    def token_bytes(self, ids: list[int], special: bool = False) -> bytes:
+        # Specials and ids past the byte range decode to nothing.
+        return bytes(t - self.offset for t in ids if self.offset <= t < self.offset + 256)
+
+
+def load_tokenizer(meta: dict, pte: str | os.PathLike):
+    """The sidecar's tokenizer: bytes (tiny test models) or a real one in a folder beside the .pte."""
+    spec = meta.get("tokenizer") or {}
+    if spec.get("kind") == "hf":
+        from dlfp.backends.hf_tokenizer import HFTokenizer
+
+        folder = Path(pte).resolve().parent / spec["folder"]
+        try:
+            return HFTokenizer(folder)
+        except (ValueError, OSError) as exc:
+            raise ModelLoadError(f"tokenizer folder {folder}: {exc}") from None
+    return ByteTokenizer(spec, meta["chat_template"])
 
 
 class ExecuTorchBackend(Backend):
@@ -105,7 +122,7 @@ class ExecuTorchBackend(Backend):
     def __init__(self, config: ExecuTorchConfig):
         self.config = config
         self.meta = read_sidecar(config.model_path)
-        self.tokenizer = ByteTokenizer(self.meta["tokenizer"], self.meta["chat_template"])
+        self.tokenizer = load_tokenizer(self.meta, config.model_path)
         self.n_threads = config.n_threads or physical_cores()
         self.capabilities = Capabilities(
             owned_loop=True,
@@ -188,11 +205,11 @@ class ExecuTorchBackend(Backend):
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def token_bytes(self, token_ids: list[int]) -> bytes:
-        return self.tokenizer.decode_bytes(token_ids)
-
     def is_eos(self, token_id: int) -> bool:
-        return token_id == self.tokenizer.eos
+        return self.tokenizer.is_eos(token_id)
+
+    def token_bytes(self, token_ids: list[int], special: bool = False) -> bytes:
+        return self.tokenizer.token_bytes(token_ids, special)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.chat(messages)

@@ -6,11 +6,19 @@ method serves a prefill chunk (L tokens at start_pos) and a decode (L = 1). The
 logits are those of the chunk's last token. Linear layers are lowered to XNNPACK;
 the cache update and attention mask run on ExecuTorch's portable kernels.
 
-The model here is a tiny random-weight decoder (RMSNorm, RoPE, SwiGLU), enough to
-exercise the runtime; a real model goes through the same `export_pte` as long as
-its forward has that signature. A JSON sidecar (`<file>.pte.json`) carries what a
-`.pte` does not: the tokenizer (byte-level here: the random model has none) and
-the chat template.
+The decoder is Llama-shaped (RMSNorm, RoPE on adjacent pairs, SwiGLU, GQA, tied or
+separate head). `--gguf FILE` fills it with a Llama-family GGUF's dequantised
+weights (gguf_weights.py: the reader the MLC build shares) and writes the GGUF's
+tokenizer beside the program (`<file>.pte.tokenizer/`); without it the weights are
+random and tiny (tests). A JSON sidecar (`<file>.pte.json`) carries what a `.pte`
+does not: the tokenizer's kind and folder, the chat template, the shape limits.
+
+dtype (--gguf): `int8` (default) lowers every linear layer to XNNPACK's dynamic
+int8 scheme (int8 weights per output channel, activations quantised per token at
+run time), a quarter of fp32's weight memory, which matters because the adapter
+loads one Program per sequence; `fp32` keeps the dequantised weights exactly (the
+tight check against a torch reference uses it). What int8 costs against fp32 and
+llama.cpp is measured by `dlfp check-model` (README).
 """
 from __future__ import annotations
 
@@ -49,10 +57,36 @@ class TinyConfig:
             raise ValueError("--max-chunk must be between 2 and --max-seq-len")
 
 
-def build_model(cfg: TinyConfig):
-    """The eager torch module (random weights at 1/sqrt(fan_in), see DESIGN.md)."""
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The shape of the exported decoder (Llama-style: RMSNorm, RoPE on adjacent pairs, SwiGLU, GQA)."""
+
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    max_seq_len: int
+    max_chunk: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied: bool = False  # the output head reuses the embedding matrix
+
+
+def tiny_spec(cfg: TinyConfig) -> DecoderSpec:
+    return DecoderSpec(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.heads,
+                       head_dim=cfg.dim // cfg.heads, ffn=cfg.ffn, max_seq_len=cfg.max_seq_len,
+                       max_chunk=cfg.max_chunk)
+
+
+def build_decoder(spec: DecoderSpec):
+    """The eager torch module, weights uninitialised (torch's defaults)."""
     import torch
     from torch import nn
+
+    hd, rep = spec.head_dim, spec.heads // spec.kv_heads
 
     class RMSNorm(nn.Module):
         def __init__(self, dim: int):
@@ -60,56 +94,61 @@ def build_model(cfg: TinyConfig):
             self.weight = nn.Parameter(torch.ones(dim))
 
         def forward(self, x):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.norm_eps) * self.weight
 
     def rope(x, cos, sin):
-        # x: [1, heads, L, hd]; rotate pairs (even, odd)
+        # x: [1, heads, L, hd]; rotate pairs (even, odd): llama.cpp's (and GGUF's) Q/K layout
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
-            hd = cfg.dim // cfg.heads
-            self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
-            self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.dim, cfg.dim, bias=False) for _ in range(4))
-            self.w_gate = nn.Linear(cfg.dim, cfg.ffn, bias=False)
-            self.w_up = nn.Linear(cfg.dim, cfg.ffn, bias=False)
-            self.w_down = nn.Linear(cfg.ffn, cfg.dim, bias=False)
-            shape = (1, cfg.heads, cfg.max_seq_len, hd)
+            self.attn_norm, self.ffn_norm = RMSNorm(spec.dim), RMSNorm(spec.dim)
+            self.wq = nn.Linear(spec.dim, spec.heads * hd, bias=False)
+            self.wk = nn.Linear(spec.dim, spec.kv_heads * hd, bias=False)
+            self.wv = nn.Linear(spec.dim, spec.kv_heads * hd, bias=False)
+            self.wo = nn.Linear(spec.heads * hd, spec.dim, bias=False)
+            self.w_gate = nn.Linear(spec.dim, spec.ffn, bias=False)
+            self.w_up = nn.Linear(spec.dim, spec.ffn, bias=False)
+            self.w_down = nn.Linear(spec.ffn, spec.dim, bias=False)
+            shape = (1, spec.kv_heads, spec.max_seq_len, hd)  # KV heads only: GQA keeps the cache small
             self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
 
         def forward(self, x, pos, cos, sin, mask):
             b, n, _ = x.shape
-            hd = cfg.dim // cfg.heads
             h = self.attn_norm(x)
-            q, k, v = (w(h).view(b, n, cfg.heads, hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            # GQA without copying the cache: query heads as [kv_head, rep] (head j reads KV
+            # head j // rep, as in llama.cpp), broadcast against each KV head's cache.
+            q = self.wq(h).view(b, n, spec.kv_heads, rep, hd).permute(0, 2, 3, 1, 4)  # [b, kv, rep, n, hd]
+            k, v = (w(h).view(b, n, spec.kv_heads, hd).transpose(1, 2) for w in (self.wk, self.wv))
             q, k = rope(q, cos, sin), rope(k, cos, sin)
             # Write this chunk's keys/values at its positions; attend over the whole
             # cache with a causal mask (stale cells past `pos` get weight zero).
             self.k_cache.index_copy_(2, pos, k)
             self.v_cache.index_copy_(2, pos, v)
-            scores = q @ self.k_cache.transpose(-1, -2) / math.sqrt(hd)
+            scores = q @ self.k_cache.unsqueeze(2).transpose(-1, -2) / math.sqrt(hd)  # [b, kv, rep, n, S]
             scores = scores.masked_fill(~mask, float("-inf"))
-            att = torch.softmax(scores, dim=-1) @ self.v_cache
-            x = x + self.wo(att.transpose(1, 2).reshape(b, n, cfg.dim))
+            att = (torch.softmax(scores, dim=-1) @ self.v_cache.unsqueeze(2)).reshape(b, spec.heads, n, hd)
+            x = x + self.wo(att.transpose(1, 2).reshape(b, n, spec.heads * hd))
             h = self.ffn_norm(x)
             return x + self.w_down(torch.nn.functional.silu(self.w_gate(h)) * self.w_up(h))
 
-    class TinyDecoder(nn.Module):
+    class Decoder(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-            self.layers = nn.ModuleList(Layer() for _ in range(cfg.layers))
-            self.norm = RMSNorm(cfg.dim)
-            self.out = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-            hd = cfg.dim // cfg.heads
-            inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-            ang = torch.outer(torch.arange(cfg.max_seq_len).float(), inv)
-            self.register_buffer("cos", ang.cos(), persistent=False)
-            self.register_buffer("sin", ang.sin(), persistent=False)
-            self.register_buffer("cells", torch.arange(cfg.max_seq_len), persistent=False)
+            self.embed = nn.Embedding(spec.vocab, spec.dim)
+            self.layers = nn.ModuleList(Layer() for _ in range(spec.layers))
+            self.norm = RMSNorm(spec.dim)
+            self.out = nn.Linear(spec.dim, spec.vocab, bias=False)
+            if spec.tied:
+                self.out.weight = self.embed.weight
+            inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+            ang = torch.outer(torch.arange(spec.max_seq_len, dtype=torch.float64), inv)
+            self.register_buffer("cos", ang.cos().float(), persistent=False)
+            self.register_buffer("sin", ang.sin().float(), persistent=False)
+            self.register_buffer("cells", torch.arange(spec.max_seq_len), persistent=False)
 
         def forward(self, tokens, start_pos):
             pos = self.cells[: tokens.shape[1]] + start_pos  # positions of this chunk
@@ -120,8 +159,16 @@ def build_model(cfg: TinyConfig):
                 x = layer(x, pos, cos, sin, mask)
             return self.out(self.norm(x[:, -1, :]))
 
+    return Decoder()
+
+
+def build_model(cfg: TinyConfig):
+    """The tiny random-weight decoder (weights at 1/sqrt(fan_in), see DESIGN.md)."""
+    import torch
+    from torch import nn
+
     torch.manual_seed(cfg.seed)
-    model = TinyDecoder()
+    model = build_decoder(tiny_spec(cfg))
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Linear):  # 1/sqrt(fan_in): std 0.02 makes greedy output repeat
@@ -129,7 +176,49 @@ def build_model(cfg: TinyConfig):
     return model.eval()
 
 
-def export_pte(model, out: Path, max_chunk: int) -> Path:
+# GGUF tensor name (per layer after "blk.N.") -> this decoder's parameter name.
+GGUF_LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+                    "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+
+
+def gguf_spec(cfg, max_seq_len: int, max_chunk: int) -> DecoderSpec:
+    """The decoder shape for a GGUF's LlamaConfig (gguf_weights.read_config)."""
+    return DecoderSpec(vocab=cfg.vocab_size, dim=cfg.hidden_size, layers=cfg.num_layers, heads=cfg.num_heads,
+                       kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, ffn=cfg.intermediate_size,
+                       max_seq_len=max_seq_len, max_chunk=max_chunk, rope_theta=cfg.rope_theta,
+                       norm_eps=cfg.rms_norm_eps, tied=cfg.tied_embeddings)
+
+
+def state_from_gguf(weights: dict) -> dict:
+    """GGUF-named float32 arrays (Q/K as llama.cpp stores them: this decoder's RoPE layout) -> a state dict."""
+    import torch
+
+    out = {"embed.weight": weights["token_embd.weight"], "norm.weight": weights["output_norm.weight"]}
+    if "output.weight" in weights:
+        out["out.weight"] = weights["output.weight"]
+    for name, arr in weights.items():
+        if name.startswith("blk."):
+            _, i, kind, _ = name.split(".")
+            out[f"layers.{i}.{GGUF_LAYER_NAMES[kind]}.weight"] = arr
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def model_from_gguf(cfg, weights: dict, max_seq_len: int, max_chunk: int):
+    """The decoder with a GGUF's dequantised weights (fp32)."""
+    model = build_decoder(gguf_spec(cfg, max_seq_len, max_chunk))
+    state = state_from_gguf(weights)
+    if cfg.tied_embeddings:
+        state["out.weight"] = state["embed.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"GGUF weights do not fit the decoder: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+DTYPES = ("fp32", "int8")  # int8: linear weights int8 per channel, activations quantised per token at run time
+
+
+def export_pte(model, out: Path, max_chunk: int, dtype: str = "fp32") -> Path:
     """torch.export with dynamic L, XNNPACK lowering, mutable-buffer KV cache."""
     import torch
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -138,10 +227,16 @@ def export_pte(model, out: Path, max_chunk: int) -> Path:
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {DTYPES}")
     length = torch.export.Dim("L", min=1, max=max_chunk)
     example = (torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    dynamic = ({1: length}, None)
     with torch.no_grad():
-        exported = torch.export.export(model, example, dynamic_shapes=({1: length}, None), strict=False)
+        exported = torch.export.export(model, example, dynamic_shapes=dynamic, strict=False)
+        if dtype == "int8":
+            exported = torch.export.export(_quantize_int8(exported, example), example,
+                                           dynamic_shapes=dynamic, strict=False)
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     program = edge.to_executorch(
         ExecutorchBackendConfig(
@@ -157,56 +252,118 @@ def export_pte(model, out: Path, max_chunk: int) -> Path:
     return out
 
 
+def _quantize_int8(exported, example):
+    """XNNPACK's dynamic int8 scheme for every linear layer (PT2E): a quarter of fp32's weight memory."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True))
+    module = prepare_pt2e(exported.module(), quantizer)
+    module(*example)  # dynamic scales need no calibration; one pass sets up the observers
+    module = convert_pt2e(module)
+    for name, buf in module.named_buffers():
+        if name.endswith(("k_cache", "v_cache")):
+            buf.zero_()  # that pass wrote two cells; the program's cache must start at zero
+    return module
+
+
 def sidecar_path(pte: str | Path) -> Path:
     return Path(str(pte) + SIDECAR_SUFFIX)
 
 
-def write_sidecar(pte: Path, cfg: TinyConfig) -> Path:
-    meta = {
-        "format": SIDECAR_FORMAT,
-        "method": "forward",
-        "vocab_size": cfg.vocab,
-        "max_seq_len": cfg.max_seq_len,
-        "max_chunk": cfg.max_chunk,
-        "tokenizer": {"kind": "bytes", "offset": N_SPECIAL, "pad": 0, "bos": 1, "eos": 2},
-        "chat_template": CHAT_TEMPLATE,
-        "model": {"kind": "tiny-random-decoder", **asdict(cfg)},
-    }
+def tokenizer_dir(pte: str | Path) -> Path:
+    """The real model's tokenizer folder, beside the program (tiny.pte -> tiny.pte.tokenizer/)."""
+    return Path(str(pte) + ".tokenizer")
+
+
+def write_sidecar(pte: Path, meta: dict) -> Path:
     path = sidecar_path(pte)
-    path.write_text(json.dumps(meta, indent=2))
+    path.write_text(json.dumps({"format": SIDECAR_FORMAT, "method": "forward", **meta}, indent=2))
     return path
 
 
 def export_tiny(out: str | Path, cfg: TinyConfig) -> Path:
     cfg.check()
     pte = export_pte(build_model(cfg), Path(out), cfg.max_chunk)
-    write_sidecar(pte, cfg)
+    write_sidecar(pte, {
+        "vocab_size": cfg.vocab,
+        "max_seq_len": cfg.max_seq_len,
+        "max_chunk": cfg.max_chunk,
+        "tokenizer": {"kind": "bytes", "offset": N_SPECIAL, "pad": 0, "bos": 1, "eos": 2},
+        "chat_template": CHAT_TEMPLATE,
+        "model": {"kind": "tiny-random-decoder", **asdict(cfg)},
+    })
+    return pte
+
+
+def export_gguf(gguf_path: str | Path, out: str | Path, max_seq_len: int = 2048, max_chunk: int = 256,
+                dtype: str = "int8") -> Path:
+    """A Llama-family GGUF's real weights, config and tokenizer as a .pte + sidecar + tokenizer folder."""
+    from dlfp.backends import gguf_weights
+
+    if not 2 <= max_chunk <= max_seq_len:
+        raise ValueError("--max-chunk must be between 2 and --max-seq-len")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {DTYPES}")
+    cfg, weights = gguf_weights.load(gguf_path)
+    if max_seq_len > cfg.context_length:
+        raise ValueError(f"--max-seq-len {max_seq_len} is past the model's context of {cfg.context_length}")
+    out = Path(out)
+    tok_dir = gguf_weights.write_tokenizer(gguf_path, tokenizer_dir(out))
+    pte = export_pte(model_from_gguf(cfg, weights, max_seq_len, max_chunk), out, max_chunk, dtype)
+    write_sidecar(pte, {
+        "vocab_size": cfg.vocab_size,
+        "max_seq_len": max_seq_len,
+        "max_chunk": max_chunk,
+        "tokenizer": {"kind": "hf", "folder": tok_dir.name},
+        "model": {"kind": "gguf", "gguf": str(Path(gguf_path).resolve()), "dtype": dtype, **cfg.to_dict()},
+    })
     return pte
 
 
 @click.command("export-executorch")
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="The .pte file to write.")
+@click.option("--gguf", "gguf_file", type=click.Path(dir_okay=False), default=None,
+              help="Export this Llama-family GGUF's real weights and tokenizer ('default': the bundled SmolLM2). "
+                   "Without it: a tiny random-weight decoder.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="int8", show_default=True,
+              help="--gguf only: int8 (dynamic int8 linear layers, ~1/4 the memory) or fp32 (exact).")
 @click.option("--layers", type=int, default=TinyConfig.layers, show_default=True)
 @click.option("--dim", type=int, default=TinyConfig.dim, show_default=True)
 @click.option("--heads", type=int, default=TinyConfig.heads, show_default=True)
 @click.option("--vocab", type=int, default=TinyConfig.vocab, show_default=True,
               help="At least 259 (byte-level tokenizer); extra ids decode to nothing.")
-@click.option("--max-seq-len", type=int, default=TinyConfig.max_seq_len, show_default=True)
+@click.option("--max-seq-len", type=int, default=None,
+              help=f"Positions per sequence [tiny: {TinyConfig.max_seq_len}, --gguf: 2048].")
 @click.option("--max-chunk", type=int, default=TinyConfig.max_chunk, show_default=True,
               help="Largest number of tokens one call takes.")
 @click.option("--seed", type=int, default=TinyConfig.seed, show_default=True)
-def export_command(out, layers, dim, heads, vocab, max_seq_len, max_chunk, seed) -> None:
-    """Export a tiny random-weight decoder to an XNNPACK .pte (about a minute)."""
-    cfg = TinyConfig(vocab=vocab, dim=dim, layers=layers, heads=heads, ffn=2 * dim,
-                     max_seq_len=max_seq_len, max_chunk=max_chunk, seed=seed)
-    try:
-        cfg.check()
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+def export_command(out, gguf_file, dtype, layers, dim, heads, vocab, max_seq_len, max_chunk, seed) -> None:
+    """Export a GGUF's model (--gguf), or a tiny random-weight decoder, to an XNNPACK .pte."""
     import warnings
 
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.export/ExecuTorch deprecation chatter, not the user's problem
-        pte = export_tiny(out, cfg)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.export/ExecuTorch deprecation chatter, not the user's problem
+            if gguf_file is not None:
+                pte = export_gguf(_gguf_path(gguf_file), out, max_seq_len or 2048, max_chunk, dtype)
+            else:
+                cfg = TinyConfig(vocab=vocab, dim=dim, layers=layers, heads=heads, ffn=2 * dim,
+                                 max_seq_len=max_seq_len or TinyConfig.max_seq_len, max_chunk=max_chunk, seed=seed)
+                cfg.check()
+                pte = export_tiny(out, cfg)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {pte} ({pte.stat().st_size / 1e6:.1f} MB) and {sidecar_path(pte)} in {time.perf_counter() - t0:.0f} s")
+
+
+def _gguf_path(value: str) -> Path:
+    if value == "default":
+        from dlfp.models import default_model_path
+
+        return default_model_path()
+    return Path(value)

@@ -40,6 +40,7 @@ LAZY_COMMANDS = {
     "probe": "dlfp.devices.cli:probe",
     "check-backend": "dlfp.backends.conformance:check_backend_command",
     "export-executorch": "dlfp.backends.executorch_export:export_command",
+    "check-model": "dlfp.backends.check_model:check_model_command",
     "serve": "dlfp.server.cli:serve",
     "study": "dlfp.study:study",
     "soak": "dlfp.server.soak:soak",

@@ -19,7 +19,9 @@ from dlfp.backends.mlc.engine_mode import (
     MLCEngineTarget,
     StreamRecorder,
     engine_metrics_summary,
+    engine_settings,
     make_target,
+    metrics_dict,
 )
 from dlfp.devices.profiles import load_profile
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
@@ -100,8 +102,14 @@ def test_recorder_reports_what_the_stream_and_usage_disagree_on():
         rec.on_chunk(stripped, t=1.0)
     assert not rec.counted_by_logprobs and len(rec.token_times) == 2
     assert rec.problems() == ["no usage chunk (request stream_options.include_usage)"]
-    rec.on_chunk(CHAT_STREAM[2], t=2.0)
-    assert rec.problems() == ["usage says 3 completion tokens, the stream carried 2"]
+    rec.on_chunk(CHAT_STREAM[2], t=2.0)  # usage: 3 tokens, the stream showed 2
+    assert len(rec.token_times) == 3 and rec.inferred_tokens == 1
+    assert rec.problems()[0].startswith("1 token(s) came in chunks MLC dropped")
+    over = StreamRecorder()
+    over.on_chunk(CHAT_STREAM[0], t=0.0)
+    over.on_chunk({"choices": [], "usage": {"completion_tokens": 0}}, t=1.0)
+    assert over.problems() == ["usage says 0 completion tokens, the stream carried 1",
+                               "stream ended without a finish_reason"]
 
 
 def test_engine_metrics_summary_keeps_the_engine_wide_figures():
@@ -127,6 +135,42 @@ def test_background_admission_follows_the_foreground_itl():
         BackgroundAdmission(0.05, 0)
 
 
+class EngineMetrics:
+    """What AsyncMLCEngine.metrics() returns (`mlc_llm/serve/engine_base.py`): the payload in
+    `.metrics`, read through `__getitem__`, with no `keys()`, so `dict(m)` raises KeyError: 0."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    def __getitem__(self, key):
+        return self.metrics[key]
+
+
+def test_metrics_dict_reads_the_real_engine_metrics_type():
+    m = EngineMetrics(ENGINE_METRICS)
+    with pytest.raises(KeyError):
+        dict(m)  # what the adapter used to do
+    assert metrics_dict(m)["decode_tokens_per_s"] == 44.8 and metrics_dict(ENGINE_METRICS) == ENGINE_METRICS
+
+
+def _dropping_stream():
+    """A completion stream where MLC dropped one step: its token held back half a UTF-8 character,
+    so its chunk had empty text and was skipped with its logprobs (engine_base.process_completion_stream_output)."""
+    out = [_completion_chunk(" caf"), _completion_chunk("é!", finish="length")]  # 3 tokens, 2 chunks
+    out.append({"id": "cmpl-1", "object": "text_completion", "created": 1, "choices": [], "model": "m",
+                "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}})
+    return out
+
+
+def test_recorder_counts_tokens_of_dropped_chunks_from_usage():
+    rec = StreamRecorder()
+    for i, chunk in enumerate(_dropping_stream()):
+        rec.on_chunk(chunk, t=float(i))
+    assert len(rec.token_times) == 3 and rec.inferred_tokens == 1
+    assert rec.token_times == [0.0, 1.0, 1.0]  # the held-back token arrived with the next text
+    assert rec.problems() == ["1 token(s) came in chunks MLC dropped (empty text): counted from usage at the last text chunk"]
+
+
 class ReplayEngine:
     """AsyncMLCEngine's completions API, replaying the recorded stream with a fixed chunk gap."""
 
@@ -136,11 +180,14 @@ class ReplayEngine:
         self.started: dict[str, float] = {}
         self.completions = self
         self.terminated = False
+        self.aborted: list[str] = []
 
     async def create(self, **kwargs):
         self.calls.append(kwargs)
         self.started[kwargs["request_id"]] = time.perf_counter()
         gap = self.gaps["fg" if kwargs["request_id"].startswith("fg") else "bg"]
+        if kwargs["request_id"].startswith("hang"):
+            gap = 3600.0
 
         async def stream():
             for chunk in COMPLETION_STREAM:
@@ -150,7 +197,10 @@ class ReplayEngine:
         return stream()
 
     async def metrics(self):
-        return ENGINE_METRICS
+        return EngineMetrics(ENGINE_METRICS)  # the real type, not a dict
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
 
     def terminate(self):
         self.terminated = True
@@ -198,6 +248,38 @@ def test_engine_mode_declares_it_cannot_chunk_per_step_and_refuses_cap_policies(
         target.submit(Request([], 4, FOREGROUND, request_id="bad"))
     assert target.close().requests[0].error == "the prompt is empty"
     target.shutdown()
+
+
+def test_close_is_bounded_and_aborts_what_still_runs():
+    engine = ReplayEngine({"fg": 0.001, "bg": 0.001})
+    target = MLCEngineTarget(engine, load_profile("cpu-laptop"), prefill_chunk_size=64)
+    target.open("unbounded")
+    ok = target.submit(Request(list(range(9)), 4, FOREGROUND, request_id="fg-0"))
+    hung = target.submit(Request(list(range(9)), 4, BACKGROUND, request_id="hang-0"))
+    t0 = time.perf_counter()
+    trace = target.close(timeout_s=0.5)
+    target.shutdown()
+    assert time.perf_counter() - t0 < 5
+    assert ok.record.ok and hung.record.error.startswith("aborted") and engine.aborted == ["hang-0"]
+    assert any("aborted 1 request" in n for n in trace.notes)
+    assert trace.samples[0]["decode_tokens_per_s"] == 44.8  # the metrics survive an abort
+
+
+class _Profile:
+    name, max_sequences, context_per_sequence, max_batch_tokens, itl_target_ms = "p", 4, 2048, 512, 100.0
+
+
+def test_engine_settings_split_total_and_single_and_clamp_to_the_compiled_library(tmp_path):
+    fields = {"max_num_sequence", "max_total_sequence_length", "max_single_sequence_length", "prefill_chunk_size",
+              "prefix_cache_mode", "prefill_mode"}
+    (tmp_path / "mlc-chat-config.json").write_text(json.dumps({"prefill_chunk_size": 128, "context_window_size": 1024}))
+    settings, notes = engine_settings(_Profile(), str(tmp_path), None, fields)
+    assert settings == {"max_num_sequence": 4, "max_total_sequence_length": 8192, "max_single_sequence_length": 1024,
+                        "prefill_chunk_size": 128, "prefix_cache_mode": "disable", "prefill_mode": "chunked"}
+    assert any("clamped to the compiled library's 128" in n for n in notes)
+    old, notes = engine_settings(_Profile(), "HF://mlc-ai/x", 64, fields - {"prefill_mode"})
+    assert old["max_single_sequence_length"] == 2048 and old["prefill_chunk_size"] == 64 and "prefill_mode" not in old
+    assert any("no ['prefill_mode']" in n for n in notes)
 
 
 def test_missing_mlc_llm_fails_with_the_install_channel():

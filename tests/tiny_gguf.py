@@ -16,7 +16,15 @@ def write_tiny_gguf(
     context: int = 2048,
     seed: int = 0,
     chat_template: str | None = None,
+    n_head_kv: int | None = None,
+    tied: bool = False,
+    rope_theta: float | None = None,
+    qtype: str = "F32",
+    norm_jitter: bool = False,
 ) -> Path:
+    """`n_head_kv` < n_head: grouped-query attention; `tied`: no output.weight (SmolLM2's
+    layout); `qtype` "Q8_0": matrices stored quantised, as real GGUFs store them;
+    `norm_jitter`: norm weights near 1 instead of 1, so a misplaced one shows."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -31,7 +39,11 @@ def write_tiny_gguf(
     writer.add_block_count(n_layer)
     writer.add_feed_forward_length(n_ff)
     writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head)
+    n_head_kv = n_head_kv or n_head
+    head_dim = n_embd // n_head
+    writer.add_head_count_kv(n_head_kv)
+    if rope_theta is not None:
+        writer.add_rope_freq_base(rope_theta)
     writer.add_rope_dimension_count(n_embd // n_head)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("llama")
@@ -47,17 +59,33 @@ def write_tiny_gguf(
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     n_vocab = len(tokens)
-    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    writer.add_tensor("output.weight", w(n_vocab, n_embd))
+
+    def matrix(name: str, arr: np.ndarray) -> None:
+        if qtype == "F32":
+            writer.add_tensor(name, arr)
+        else:
+            q = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(name, gguf.quants.quantize(arr, q), raw_dtype=q)
+
+    def norm() -> np.ndarray:
+        if not norm_jitter:
+            return np.ones(n_embd, dtype=np.float32)
+        return (1.0 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)
+
+    matrix("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", norm())
+    if not tied:
+        matrix("output.weight", w(n_vocab, n_embd))
     for i in range(n_layer):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", w(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+        matrix(f"blk.{i}.attn_q.weight", w(n_embd, n_embd))
+        matrix(f"blk.{i}.attn_k.weight", w(n_head_kv * head_dim, n_embd))
+        matrix(f"blk.{i}.attn_v.weight", w(n_head_kv * head_dim, n_embd))
+        matrix(f"blk.{i}.attn_output.weight", w(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        matrix(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
+        matrix(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        matrix(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -35,44 +35,63 @@ def random_weights(named_shapes: list[tuple[str, tuple[int, ...]]], seed: int) -
     return out
 
 
-def build_tiny(out: str | Path, seed: int = 0, **overrides) -> ModelFolder:
-    """Compile the tiny model and write its folder to `out`; returns the opened folder."""
+def compile_model(cfg, out: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """Compile the Llama model of `cfg` for the CPU into out/LIB_NAME; returns its (param, shape) list in order."""
     import tvm
     from tvm.target import Target
 
-    from dlfp.backends.mlc.tiny_model import TinyConfig, TinyLlama
+    from dlfp.backends.mlc.tiny_model import TinyLlama
 
-    tok = ByteTokenizer.chatml_config()
-    cfg = replace(TinyConfig(), **overrides)
-    if cfg.vocab_size < ByteTokenizer.from_config(tok).size:
-        raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the byte tokenizer's vocabulary")
     target = Target("llvm")
     model = TinyLlama(cfg, target)
     mod, params = model.export_tvm(spec=model.spec())
     with target:
         executable = tvm.compile(mod, target)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out / LIB_NAME))
-    shapes = [(name, tuple(int(d) for d in p.shape)) for name, p in params]
-    weights = random_weights(shapes, seed)
-    tvm.runtime.save_param_dict_to_file({k: tvm.runtime.tensor(v) for k, v in weights.items()}, str(out / PARAMS_NAME))
+    return [(name, tuple(int(d) for d in p.shape)) for name, p in params]
+
+
+def write_folder(out: Path, cfg, shapes, weights: dict[str, np.ndarray], tokenizer: dict, model: dict,
+                 note: str) -> ModelFolder:
+    """Save the weights in `shapes` order and the folder's config; returns the opened folder."""
+    import tvm
+
+    for name, shape in shapes:
+        if weights[name].shape != shape:
+            raise ValueError(f"weight {name}: shape {weights[name].shape}, the compiled model takes {shape}")
+    tvm.runtime.save_param_dict_to_file({k: tvm.runtime.tensor(weights[k]) for k, _ in shapes}, str(out / PARAMS_NAME))
     folder = ModelFolder(out, {
         "format": FORMAT,
         "model_lib": LIB_NAME,
         "params": PARAMS_NAME,
-        "param_names": [name for name, _ in params],
+        "param_names": [name for name, _ in shapes],
         "target": "llvm",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "context_window_size": cfg.context_window_size,
-        "tokenizer": tok,
-        "model": {"architecture": "tiny-llama", **cfg.to_dict()},
-        "weights": f"random N(0, 1/fan_in), seed {seed}: a test model, its text is noise",
+        "tokenizer": tokenizer,
+        "model": model,
+        "weights": note,
         "built_with": {"apache_tvm": tvm.__version__},
     })
     folder.write()
     return ModelFolder.open(out)
+
+
+def build_tiny(out: str | Path, seed: int = 0, **overrides) -> ModelFolder:
+    """Compile the tiny model and write its folder to `out`; returns the opened folder."""
+    from dlfp.backends.mlc.tiny_model import TinyConfig
+
+    tok = ByteTokenizer.chatml_config()
+    cfg = replace(TinyConfig(), **overrides)
+    if cfg.vocab_size < ByteTokenizer.from_config(tok).size:
+        raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the byte tokenizer's vocabulary")
+    out = Path(out)
+    shapes = compile_model(cfg, out)
+    return write_folder(out, cfg, shapes, random_weights(shapes, seed), tok,
+                        {"architecture": "tiny-llama", **cfg.to_dict()},
+                        f"random N(0, 1/fan_in), seed {seed}: a test model, its text is noise")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dlfp.backends.mlc.model_dir import ModelFolder
-from dlfp.backends.mlc.tokenizer import ByteTokenizer
+from dlfp.backends.mlc.tokenizer import load_tokenizer
 from dlfp.backends.protocol import (
     TIMING_OUTPUT_READY,
     Backend,
@@ -96,13 +96,18 @@ class MLCStepBackend(Backend):
         self.device = tvm.cpu()
         try:
             self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.folder.lib_path)), self.device)
-            loaded = tvm.runtime.load_param_dict_from_file(str(self.folder.params_path))
+            self._params = self._load_params()
+        except ValueError:
+            raise
         except Exception as exc:  # TVM raises its own error types for a bad library
             raise ModelLoadError(f"could not load the compiled model in {self.folder.path}: {exc}") from None
-        self._params = [loaded[n] for n in cfg["param_names"]]
+        self.config = config = self._clamp(config)
         self._fn = {n: self._function(n) for n in ("embed", "batch_prefill", "batch_decode")}
         self._kv_fn = {n: tvm.get_global_func(f"vm.builtin.kv_state_{n}") for n in KV_FUNCS}
-        self.tokenizer = ByteTokenizer.from_config(cfg["tokenizer"])
+        try:
+            self.tokenizer = load_tokenizer(cfg["tokenizer"], self.folder.path)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"tokenizer of {self.folder.path}: {exc}") from None
         self.hidden = int(cfg["hidden_size"])
         context = min(config.limits.context_per_sequence, int(cfg["context_window_size"]))
         self._kv = self._create_kv(context)
@@ -117,6 +122,53 @@ class MLCStepBackend(Backend):
             max_batch_tokens=config.limits.max_batch_tokens,
             vocab_size=int(cfg["vocab_size"]),
         )
+
+    def _load_params(self) -> list:
+        """The weights in the order the compiled functions take them."""
+        tvm, cfg = self._tvm, self.folder.config
+        if not self.folder.is_tensor_cache:
+            loaded = tvm.runtime.load_param_dict_from_file(str(self.folder.params_path))
+            return [loaded[n] for n in cfg["param_names"]]
+        names = self._metadata().get("params")
+        if names is not None:
+            if any(p.get("preprocs") for p in names):
+                raise ValueError(f"{self.folder.path}: weights need preprocessing (tensor-parallel shards); "
+                                 "step mode runs unsharded models")
+            names = [p["name"] for p in names]
+        else:  # a library without MLC's metadata: the tensor cache lists the weights in order
+            import json
+
+            index = json.loads(self.folder.params_path.read_text())
+            names = [r["name"] for shard in index["records"] for r in shard["records"]]
+        tvm.get_global_func("vm.builtin.tensor_cache.load")(str(self.folder.path), self.device.dlpack_device_type(), 0)
+        try:
+            params = tvm.get_global_func("vm.builtin.param_array_from_cache_by_name")(names)
+        finally:
+            tvm.get_global_func("vm.builtin.tensor_cache.clear")()  # the VM holds its own references
+        return list(params)
+
+    def _metadata(self) -> dict:
+        """MLC's `_metadata` (param order, compile-time limits) when the library has it."""
+        import json
+
+        if not self._vm.module.implements_function("_metadata"):
+            return {}
+        return json.loads(str(self._vm["_metadata"]()))
+
+    def _clamp(self, config: StepConfig) -> StepConfig:
+        """Keep the sizes within the compiled library's limits (mlc-chat-config.json / its metadata)."""
+        from dataclasses import replace
+
+        cfg, meta = self.folder.config, self._metadata()
+        self.clamped: list[str] = []
+        bounds = {"max_batch_tokens": cfg.get("prefill_chunk_size") or meta.get("prefill_chunk_size"),
+                  "max_sequences": cfg.get("max_batch_size")}
+        changes = {}
+        for key, bound in bounds.items():
+            if isinstance(bound, int) and bound > 0 and getattr(config.limits, key) > bound:
+                changes[key] = bound
+                self.clamped.append(f"{key} {getattr(config.limits, key)} -> {bound} (compiled limit)")
+        return replace(config, limits=replace(config.limits, **changes))
 
     def _function(self, name: str):
         try:
@@ -198,19 +250,19 @@ class MLCStepBackend(Backend):
 
     # -- text --------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text)  # the byte tokenizer has no BOS to add
+        return self.tokenizer.encode(text, add_special)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
     def token_bytes(self, token_ids: list[int], special: bool = False) -> bytes:
-        return self.tokenizer.decode_bytes(token_ids, special)
+        return self.tokenizer.token_bytes(token_ids, special)
 
     def is_eos(self, token_id: int) -> bool:
-        return token_id in self.tokenizer.eos_ids
+        return self.tokenizer.is_eos(token_id)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+        return self.tokenizer.chat(messages)
 
     def describe(self) -> dict:
         return {
@@ -223,6 +275,8 @@ class MLCStepBackend(Backend):
             "page_size": self.config.page_size,
             "n_threads": self.config.n_threads or f"tvm default ({self._tvm.runtime.num_threads()})",
             "weights": self.folder.config.get("weights"),
+            "format": self.folder.config.get("format"),
+            "clamped": self.clamped,
         }
 
     def close(self) -> None:

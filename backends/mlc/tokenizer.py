@@ -50,7 +50,7 @@ class ByteTokenizer:
     def size(self) -> int:
         return max([255, *self.by_id]) + 1
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special: bool = True) -> list[int]:  # no BOS to add
         parts = self._split.split(text) if self._split else [text]
         out: list[int] = []
         for part in parts:
@@ -72,6 +72,15 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, ids: list[int], special: bool = False) -> bytes:
+        return self.decode_bytes(ids, special)
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self.eos_ids
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
     def render_chat(self, messages: list[dict]) -> str:
         if self._template is None:
             raise BackendError("the model folder has no chat template")
@@ -83,3 +92,12 @@ def _compile(source: str):
 
     # Templates come from model folders: render them sandboxed, as transformers does.
     return ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(source)
+
+
+def load_tokenizer(cfg: dict, folder):
+    """A model folder's tokenizer: bytes (tiny test models) or a Hugging Face folder inside it."""
+    if cfg.get("kind") == "hf":
+        from dlfp.backends.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(folder / cfg["folder"], meta=cfg)
+    return ByteTokenizer.from_config(cfg)

@@ -20,6 +20,10 @@ sys.exit(0 if version("executorch") == sys.argv[1] and version("torch").split("+
 PYCHECK
 }
 
+# Real models (`export-executorch --gguf`): the GGUF reader and the tokenizer rebuild. No torch pulled.
+GGUF_DEPS=("gguf>=0.10" "transformers>=4.46" "tokenizers>=0.20" "jinja2>=3.1")
+"$PY" -c 'import gguf, transformers, tokenizers, jinja2' 2>/dev/null || { log "installing ${GGUF_DEPS[*]}"; "${PIP[@]}" "${GGUF_DEPS[@]}"; }
+
 if have; then
   log "executorch $EXECUTORCH_VERSION with torch $TORCH_VERSION already installed"
   exit 0

@@ -16,6 +16,9 @@ else
   echo "[setup mlc] installing apache-tvm 0.27 (about a minute)" >&2
   "$PY" -m pip install --quiet --disable-pip-version-check "apache-tvm==0.27.*" "jinja2>=3.1"
 fi
+# Real models (`python -m dlfp.backends.mlc.build --gguf`): the GGUF reader and the tokenizer rebuild.
+"$PY" -c 'import gguf, transformers, tokenizers' 2>/dev/null \
+  || "$PY" -m pip install --quiet --disable-pip-version-check "gguf>=0.10" "transformers>=4.46" "tokenizers>=0.20"
 # The tiny model is compiled by gcc through TVM's export_library: check a C compiler is there.
 command -v "${CXX:-g++}" >/dev/null || command -v cc >/dev/null \
   || { echo "[setup mlc] no C/C++ compiler found: apt-get install g++ (TVM links compiled models with it)" >&2; exit 1; }
