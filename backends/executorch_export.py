@@ -355,20 +355,15 @@ def export_command(out, gguf_file, dtype, layers, dim, heads, vocab, max_seq_len
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.export/ExecuTorch deprecation chatter, not the user's problem
             if gguf_file is not None:
-                pte = export_gguf(_gguf_path(gguf_file), out, max_seq_len or 2048, max_chunk, dtype)
+                from dlfp.backends.gguf_weights import resolve
+
+                pte = export_gguf(resolve(gguf_file), out, max_seq_len or 2048, max_chunk, dtype)
             else:
                 cfg = TinyConfig(vocab=vocab, dim=dim, layers=layers, heads=heads, ffn=2 * dim,
                                  max_seq_len=max_seq_len or TinyConfig.max_seq_len, max_chunk=max_chunk, seed=seed)
                 cfg.check()
                 pte = export_tiny(out, cfg)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {pte} ({pte.stat().st_size / 1e6:.1f} MB) and {sidecar_path(pte)} in {time.perf_counter() - t0:.0f} s")
 
-
-def _gguf_path(value: str) -> Path:
-    if value == "default":
-        from dlfp.models import default_model_path
-
-        return default_model_path()
-    return Path(value)
