@@ -151,12 +151,15 @@ def run_check(backend, llama, gguf_path: Path, prompt_text: str, n: int, ref_tol
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/check-model.json", show_default=True)
 def check_model_command(backend_name, model, gguf_file, tokens, prompt, ref_tol, llama_tol, threads, out) -> None:
     """Check a backend's model against torch fp32 (same weights) and llama.cpp (same GGUF)."""
-    from dlfp.backends.executorch_export import _gguf_path
+    from dlfp.backends.gguf_weights import resolve
     from dlfp.cli import UserError, get_profile, open_backend
 
     if tokens < 1:
         raise UserError("--tokens must be at least 1")
-    gguf_path = _gguf_path(gguf_file)
+    try:
+        gguf_path = resolve(gguf_file)
+    except OSError as exc:
+        raise UserError(str(exc)) from None
     profile = get_profile("cpu-laptop")
     backend = open_backend(backend_name, model, profile, threads)
     llama = open_backend("llamacpp", str(gguf_path), profile, threads)

@@ -119,19 +119,22 @@ def build_decoder(spec: DecoderSpec):
         def forward(self, x, pos, cos, sin, mask):
             b, n, _ = x.shape
             h = self.attn_norm(x)
-            # GQA without copying the cache: query heads as [kv_head, rep] (head j reads KV
-            # head j // rep, as in llama.cpp), broadcast against each KV head's cache.
-            q = self.wq(h).view(b, n, spec.kv_heads, rep, hd).permute(0, 2, 3, 1, 4)  # [b, kv, rep, n, hd]
+            # GQA without copying the cache: the rep query heads of a KV head ride as rep
+            # rows per token ([b, kv, n*rep, hd], row t*rep + r), one matmul against that
+            # KV head's cache; query head kv*rep + r reads KV head kv, as in llama.cpp.
+            q = self.wq(h).view(b, n, spec.kv_heads, rep, hd).transpose(1, 2)  # [b, kv, n, rep, hd]
             k, v = (w(h).view(b, n, spec.kv_heads, hd).transpose(1, 2) for w in (self.wk, self.wv))
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            q, k = rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), rope(k, cos, sin)
+            q = q.contiguous().view(b, spec.kv_heads, n * rep, hd)
             # Write this chunk's keys/values at its positions; attend over the whole
             # cache with a causal mask (stale cells past `pos` get weight zero).
             self.k_cache.index_copy_(2, pos, k)
             self.v_cache.index_copy_(2, pos, v)
-            scores = q @ self.k_cache.unsqueeze(2).transpose(-1, -2) / math.sqrt(hd)  # [b, kv, rep, n, S]
+            scores = q @ self.k_cache.transpose(-1, -2) / math.sqrt(hd)  # [b, kv, n*rep, S]
             scores = scores.masked_fill(~mask, float("-inf"))
-            att = (torch.softmax(scores, dim=-1) @ self.v_cache.unsqueeze(2)).reshape(b, spec.heads, n, hd)
-            x = x + self.wo(att.transpose(1, 2).reshape(b, n, spec.heads * hd))
+            att = torch.softmax(scores, dim=-1) @ self.v_cache  # [b, kv, n*rep, hd]
+            att = att.view(b, spec.kv_heads, n, rep, hd).transpose(1, 2).contiguous()
+            x = x + self.wo(att.view(b, n, spec.heads * hd))
             h = self.ffn_norm(x)
             return x + self.w_down(torch.nn.functional.silu(self.w_gate(h)) * self.w_up(h))
 
@@ -149,11 +152,13 @@ def build_decoder(spec: DecoderSpec):
             self.register_buffer("cos", ang.cos().float(), persistent=False)
             self.register_buffer("sin", ang.sin().float(), persistent=False)
             self.register_buffer("cells", torch.arange(spec.max_seq_len), persistent=False)
+            self.register_buffer("row_token", torch.arange(spec.max_chunk * rep) // rep, persistent=False)
 
         def forward(self, tokens, start_pos):
             pos = self.cells[: tokens.shape[1]] + start_pos  # positions of this chunk
             cos, sin = self.cos[pos], self.sin[pos]
-            mask = self.cells.unsqueeze(0) <= pos.unsqueeze(1)  # [L, max_seq_len]
+            rows = self.row_token[: tokens.shape[1] * rep] + start_pos  # query row t*rep + r: token t
+            mask = self.cells.unsqueeze(0) <= rows.unsqueeze(1)  # [L*rep, max_seq_len]
             x = self.embed(tokens)
             for layer in self.layers:
                 x = layer(x, pos, cos, sin, mask)
@@ -350,20 +355,15 @@ def export_command(out, gguf_file, dtype, layers, dim, heads, vocab, max_seq_len
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.export/ExecuTorch deprecation chatter, not the user's problem
             if gguf_file is not None:
-                pte = export_gguf(_gguf_path(gguf_file), out, max_seq_len or 2048, max_chunk, dtype)
+                from dlfp.backends.gguf_weights import resolve
+
+                pte = export_gguf(resolve(gguf_file), out, max_seq_len or 2048, max_chunk, dtype)
             else:
                 cfg = TinyConfig(vocab=vocab, dim=dim, layers=layers, heads=heads, ffn=2 * dim,
                                  max_seq_len=max_seq_len or TinyConfig.max_seq_len, max_chunk=max_chunk, seed=seed)
                 cfg.check()
                 pte = export_tiny(out, cfg)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {pte} ({pte.stat().st_size / 1e6:.1f} MB) and {sidecar_path(pte)} in {time.perf_counter() - t0:.0f} s")
 
-
-def _gguf_path(value: str) -> Path:
-    if value == "default":
-        from dlfp.models import default_model_path
-
-        return default_model_path()
-    return Path(value)

@@ -51,6 +51,15 @@ class LlamaConfig:
         return asdict(self)
 
 
+def resolve(value: str | os.PathLike) -> Path:
+    """A GGUF path from the command line; 'default' is the bundled SmolLM2 (dlfp.models)."""
+    if str(value) == "default":
+        from dlfp.models import default_model_path
+
+        return default_model_path()
+    return Path(value)
+
+
 def open_gguf(path: str | os.PathLike):
     """A `gguf.GGUFReader` over the file (memory-mapped), after a magic check."""
     p = Path(path)

@@ -125,12 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="dlfp's folder (default) or MLC-LLM's (mlc-chat-config.json + tensor cache)")
     args = ap.parse_args(argv)
     try:
-        path = args.gguf
-        if path == "default":
-            from dlfp.models import default_model_path
+        from dlfp.backends.gguf_weights import resolve
 
-            path = default_model_path()
-        folder = build_gguf(args.out, path, args.context, args.layout)
+        folder = build_gguf(args.out, resolve(args.gguf), args.context, args.layout)
     except (ValueError, OSError) as exc:
         print(f"build: {exc}", file=sys.stderr)
         return 2
