@@ -136,7 +136,7 @@ class DLFPParams:
     # TailDLFP only (the paper's law ignores these):
     quantile: float = 0.99  # step-time quantile aimed at the target
     window: int = 128  # recent capped steps whose spread sizes the setpoint
-    forgetting: float = 0.95  # cost-model memory per observation (about 1/(1-f) steps)
+    forgetting: float = 0.9  # share of the cost estimate an observation keeps (memory ~1/(1-f) steps)
     prior_spread: float = 1.5  # assumed quantile/mean ratio until the window has data
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
     probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
