@@ -54,6 +54,7 @@ def designs(params: DLFPParams, caps: list[int]) -> dict[str, Callable[[], Prefi
     out["dlfp-paper"] = lambda: DLFP(paper)
     out["eq2+growth1.25"] = lambda: DLFP(replace(params, max_growth=1.25))
     out["dlfp"] = lambda: TailDLFP(params)
+    out["dlfp q=0.98"] = lambda: TailDLFP(replace(params, quantile=0.98))
     out["dlfp q=0.95"] = lambda: TailDLFP(replace(params, quantile=0.95))
     out["dlfp no-zero"] = lambda: TailDLFP(replace(params, zero_cap=False))
     out["dlfp window=512"] = lambda: TailDLFP(replace(params, window=512))
