@@ -124,3 +124,20 @@ def test_time_slicing_for_single_sequence_backends():
         kinds.append("d" if step.plan.decodes else "p")
         assert step.plan.n_prefill <= 6
     assert set(kinds) == {"d", "p"}
+
+
+def test_cap_zero_keeps_background_out_but_a_second_chat_advances():
+    sched = Scheduler(caps())
+    fg_dec, bg = admitted(sched, seq(10, decoding=True), seq(40, BACKGROUND))
+    step = sched.plan(cap=0, bg_cap=32)
+    assert step.guarded and not step.capped and step.plan.n_prefill == 0 and step.cap == 0
+    assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
+    (fg2,) = admitted(sched, seq(30, FOREGROUND))
+    step = sched.plan(cap=0, bg_cap=32)
+    assert [(c.seq_id, len(c.token_ids)) for c in step.plan.prefills] == [(fg2.slot, 1)]
+    assert step.n_prefill_bg == 0 and step.capped
+    # Unguarded (the chat has finished): cap 0 is not in force; the budget sizes background.
+    sched.release(fg_dec)
+    sched.release(fg2)
+    step = sched.plan(cap=None, bg_cap=32)
+    assert not step.guarded and step.n_prefill_bg == 32
