@@ -22,6 +22,8 @@ from collections import deque
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, replace
 
+from dlfp.stepcost import StepCostModel
+
 COMPLETION = "completion"  # completed device time of the step (what dlfp uses)
 CADENCE = "cadence"  # interval between scheduler calls (the paper's proxy; reproduction only)
 SOURCES = (COMPLETION, CADENCE)
@@ -249,8 +251,6 @@ class TailDLFP(PrefillPolicy):
     source = COMPLETION
 
     def __init__(self, params: DLFPParams, name: str = "dlfp"):
-        from dlfp.stepcost import StepCostModel
-
         self.params = params
         self.name = name
         self.model = StepCostModel(params.forgetting)
