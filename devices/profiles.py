@@ -33,7 +33,7 @@ class DeviceProfile:
     # The tail-aware controller (`dlfp`); defaults as DLFPParams', see dlfp/controller.py.
     quantile: float = 0.99
     window: int = 128
-    forgetting: float = 0.95
+    forgetting: float = 0.9
     prior_spread: float = 1.5
     zero_cap: bool = False
     probe_every: int = 32

@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Mapping
 
+from dlfp.stepcost import StepCostModel
+
 COMPLETION = "completion"  # completed device time of the step (what dlfp uses)
 CADENCE = "cadence"  # interval between scheduler calls (the paper's proxy; reproduction only)
 SOURCES = (COMPLETION, CADENCE)
@@ -125,7 +127,7 @@ class DLFPParams:
     # TailDLFP only (the paper's law ignores these):
     quantile: float = 0.99  # step-time quantile aimed at the target
     window: int = 128  # recent capped steps whose spread sizes the setpoint
-    forgetting: float = 0.95  # cost-model memory per observation (about 1/(1-f) steps)
+    forgetting: float = 0.9  # share of the cost estimate an observation keeps (memory ~1/(1-f) steps)
     prior_spread: float = 1.5  # assumed quantile/mean ratio until the window has data
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
     probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
@@ -273,8 +275,6 @@ class TailDLFP(PrefillPolicy):
     source = COMPLETION
 
     def __init__(self, params: DLFPParams, name: str = "dlfp"):
-        from dlfp.stepcost import StepCostModel
-
         self.params = params
         self.name = name
         self.model = StepCostModel(params.forgetting)

@@ -55,9 +55,11 @@ def designs(params: DLFPParams, caps: list[int]) -> dict[str, Callable[[], Prefi
     out["dlfp-paper"] = lambda: DLFP(paper)
     out["eq2+growth1.25"] = lambda: DLFP(replace(params, max_growth=1.25))
     out["dlfp"] = lambda: TailDLFP(params)
+    out["dlfp q=0.98"] = lambda: TailDLFP(replace(params, quantile=0.98))
     out["dlfp q=0.95"] = lambda: TailDLFP(replace(params, quantile=0.95))
     out["dlfp no-zero"] = lambda: TailDLFP(replace(params, zero_cap=False))
     out["dlfp window=512"] = lambda: TailDLFP(replace(params, window=512))
+    out["dlfp forgetting=0.95"] = lambda: TailDLFP(replace(params, forgetting=0.95))
     out["dlfp forgetting=0.8"] = lambda: TailDLFP(replace(params, forgetting=0.8))
     return out
 
@@ -159,8 +161,12 @@ def _p(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if values else None
 
 
-def summarize(results: list[dict], target_ms: float) -> dict:
-    """Per design over seeds: mean/worst P99 (overall and per phase), mean bg throughput."""
+def summarize(results: list[dict], target_ms: float, phased: bool) -> dict:
+    """Per design over seeds: mean/worst P99 (overall and per phase), mean bg throughput.
+
+    "meets": P99 <= 1.1 T in every seed, and where the cost shifts mid-run (`phased`)
+    in every phase too (a phase holds ~1/3 of the ITLs, so its P99 is near its max).
+    """
     by: dict[str, list[dict]] = {}
     for r in results:
         by.setdefault(r["design"], []).append(r)
@@ -174,15 +180,14 @@ def summarize(results: list[dict], target_ms: float) -> dict:
             "phase_p99_worst_ms": phase_worst,
             "bg_tok_s": float(np.mean([r["bg_tok_s_fg_active"] for r in rs])),
             "bg_tok_s_shifted": float(np.mean([r["shifted"]["bg_tok_s_fg_active"] or 0 for r in rs])),
-            "meets": all(p <= 1.1 * target_ms for p in p99),
-            "meets_every_phase": phase_worst <= 1.1 * target_ms,
+            "meets": all(p <= 1.1 * target_ms for p in p99) and (not phased or phase_worst <= 1.1 * target_ms),
             "zero_cap_steps": int(np.mean([r["zero_cap_steps"] for r in rs])),
         }
-    fixed = {d: v for d, v in rows.items() if d.startswith("fixed:") and v["meets_every_phase"]}
+    fixed = {d: v for d, v in rows.items() if d.startswith("fixed:") and v["meets"]}
     best = max(fixed, key=lambda d: fixed[d]["bg_tok_s"]) if fixed else None
     for v in rows.values():
         v["vs_best_fixed"] = v["bg_tok_s"] / fixed[best]["bg_tok_s"] if best and fixed[best]["bg_tok_s"] else None
-    return {"best_fixed_meeting_every_phase": best, "designs": rows}
+    return {"best_fixed_meeting": best, "designs": rows}
 
 
 def run_study(traces: dict[str, Path], targets: list[float], doc_lens: list[int], shifts: list[float],
@@ -204,25 +209,42 @@ def run_study(traces: dict[str, Path], targets: list[float], doc_lens: list[int]
                             r = simulate(cond, make(), noise, seed, duration_s)
                             results.append({"design": name, "seed": seed, **r})
                     out["conditions"].append({"condition": asdict(cond), "name": cond.name,
-                                              "summary": summarize(results, target), "runs": results})
+                                              "summary": summarize(results, target, shift != 1), "runs": results})
     return out
 
 
 def markdown(study: dict) -> str:
-    lines = ["SIMULATED (replayed step-cost noise from real llama.cpp traces; not a device measurement)", ""]
+    lines = []
     for c in study["conditions"]:
         s = c["summary"]
         lines += [f"### {c['name']}", "",
                   "| design | P99 mean (ms) | P99 worst | worst phase P99 | max ITL | bg tok/s | bg tok/s shifted "
-                  "| meets 1.1T every phase | vs best fixed | zero-cap steps |",
+                  "| meets 1.1T | bg vs best fixed | zero-cap steps |",
                   "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         for d, v in s["designs"].items():
             ratio = "-" if v["vs_best_fixed"] is None else f"{v['vs_best_fixed']:.2f}"
             lines.append(f"| {d} | {v['p99_mean_ms']:.0f} | {v['p99_worst_ms']:.0f} | {v['phase_p99_worst_ms']:.0f} "
                          f"| {v['max_worst_ms']:.0f} | {v['bg_tok_s']:.1f} | {v['bg_tok_s_shifted']:.1f} "
-                         f"| {'yes' if v['meets_every_phase'] else 'no'} | {ratio} | {v['zero_cap_steps']} |")
-        lines += ["", f"best fixed cap meeting 1.1T in every phase and seed: {s['best_fixed_meeting_every_phase'] or 'none'}", ""]
-    return "\n".join(lines)
+                         f"| {'yes' if v['meets'] else 'no'} | {ratio} | {v['zero_cap_steps']} |")
+        lines += ["", f"best fixed cap meeting 1.1T (every seed; every phase under a shift): "
+                      f"{s['best_fixed_meeting'] or 'none'}", ""]
+    return "\n".join(scoreboard(study) + [""] + lines)
+
+
+def scoreboard(study: dict) -> list[str]:
+    """Each design over all conditions: where it met 1.1 T, and its background throughput
+    against the best fixed cap that met it (a fixed cap chosen knowing the condition)."""
+    names = list(study["conditions"][0]["summary"]["designs"]) if study["conditions"] else []
+    lines = ["SIMULATED (replayed step-cost noise from real llama.cpp traces; not a device measurement)", "",
+             f"| design | met 1.1T (of {len(study['conditions'])}) | bg vs best fixed, mean (where both met) "
+             "| bg vs best fixed, min |", "|---|---:|---:|---:|"]
+    for d in names:
+        rows = [c["summary"]["designs"][d] for c in study["conditions"]]
+        ratios = [r["vs_best_fixed"] for r in rows if r["meets"] and r["vs_best_fixed"] is not None]
+        mean = f"{sum(ratios) / len(ratios):.2f}" if ratios else "-"
+        low = f"{min(ratios):.2f}" if ratios else "-"
+        lines.append(f"| {d} | {sum(r['meets'] for r in rows)} | {mean} | {low} |")
+    return lines
 
 
 def _floats(text: str) -> list[float]:
@@ -237,9 +259,10 @@ def _floats(text: str) -> list[float]:
 @click.option("--shifts", default="1,2", show_default=True, help="cost factor in the middle third")
 @click.option("--caps", default="1,2,3,4,6,8,16,32", show_default=True)
 @click.option("--seeds", default="1,2,3", show_default=True)
-@click.option("--duration-s", default=90.0, show_default=True, help="simulated seconds per run")
-@click.option("--attention-us", default=2.0, show_default=True,
-              help="assumed extra cost per prompt token per 1k cached positions (us); the trace has no positions")
+@click.option("--duration-s", default=300.0, show_default=True, help="simulated seconds per run")
+@click.option("--attention-us", default=3000.0, show_default=True,
+              help="assumed extra cost per prompt token per 1k cached positions (us): +23% per token at 1.5k "
+                   "positions for a 20 ms token; the trace has no positions, so this is an assumption")
 @click.option("--profile", default="cpu-laptop", show_default=True)
 @click.option("--out", default="runs/study", show_default=True, type=click.Path(path_type=Path))
 def study(traces, targets_ms, doc_lens, shifts, caps, seeds, duration_s, attention_us, profile, out) -> None:

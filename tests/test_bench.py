@@ -283,3 +283,50 @@ def test_arrivals_are_open_loop_and_warmups_closed_loop():
         assert abs((t - start) - planned.arrival_s) < 0.1  # on schedule, not after the previous completion
     assert run.max_submit_lag_s < 0.1
     assert trial_row(run, sched, spec)["reconciled"]
+
+
+# -- the noisy-neighbour workload ------------------------------------------------
+def test_noisy_neighbour_runs_in_the_middle_third_of_the_arrivals():
+    from dlfp.workloads.specs import get_spec
+
+    spec = get_spec("noisy-neighbour")
+    assert spec.neighbour and {c.input_len for c in spec.classes if c.priority != FOREGROUND} == {256, 1792}
+    sched = build_schedule(spec, 801, 1000)
+    span = sched.measured[-1].arrival_s
+    assert sched.neighbour_s == pytest.approx((span / 3, 2 * span / 3))
+    assert build_schedule(get_spec("laptop"), 801, 1000).neighbour_s is None
+
+
+def test_neighbour_child_process_starts_and_stops():
+    import psutil
+
+    from dlfp.bench.neighbour import Neighbour
+
+    n = Neighbour()
+    n.start()
+    try:
+        assert psutil.Process(n.proc.pid).is_running() and n.started_s is not None
+    finally:
+        n.stop()
+    assert n.proc.returncode is not None and n.stopped_s >= n.started_s
+    n.stop()  # idempotent
+
+
+def test_trial_row_splits_phases_around_the_neighbour():
+    sched = build_schedule(SPEC, 1, 1000)
+    ids = [p.request_id for p in sched.measured]
+    trace = Trace(origin=0.0)
+    # Five requests, one after another from t=10: the gaps are 100 ms, except 400 ms in the middle.
+    for k, rid in enumerate(ids):
+        t0 = 10.0 + k
+        gap = 0.4 if k == 2 else 0.1
+        times = [t0 + gap * (i + 1) for i in range(3)]
+        trace.add_request(RequestRecord(rid, FOREGROUND, "chat", t0, 4, [1, 2, 3], times, "length", None, times[-1]))
+    trace.add_step(StepRecord(12.0, 12.4, 0.4, 1, 0, 0, True, 0, None, 0.4))
+    run = TrialRun(1, "dlfp", 0, trace, neighbour=(11.9, 13.5))
+    row = trial_row(run, sched, SPEC)
+    before, busy, after = (row["phases"][k] for k in ("before", "neighbour", "after"))
+    assert busy["itl_p99_ms"] == pytest.approx(400.0) and busy["itl_max_ms"] == pytest.approx(400.0)
+    assert before["itl_max_ms"] == pytest.approx(100.0) and after["itl_max_ms"] == pytest.approx(100.0)
+    assert row["neighbour_s"] == pytest.approx([11.9, 13.5])
+    assert row["itl_max_ms"] == pytest.approx(400.0) and row["zero_cap_steps"] == 1

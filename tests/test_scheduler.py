@@ -146,3 +146,20 @@ def test_update_advances_prompts_appends_tokens_and_finishes():
     assert short_fg in out.finished and short_fg.finish_reason == FinishReason.STOP
     assert slots  # slots were distinct
     assert sched.finish(short_fg, FinishReason.ABORT, 3.0) is False  # already ended: nothing changes
+
+
+def test_cap_zero_keeps_background_out_but_a_second_chat_advances():
+    sched = Scheduler(caps())
+    fg_dec, bg = admitted(sched, seq(10, decoding=True), seq(40, BACKGROUND))
+    step = sched.plan(cap=0, bg_cap=32)
+    assert step.guarded and not step.capped and step.plan.n_prefill == 0 and step.cap == 0
+    assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
+    (fg2,) = admitted(sched, seq(30, FOREGROUND))
+    step = sched.plan(cap=0, bg_cap=32)
+    assert [(c.seq_id, len(c.token_ids)) for c in step.plan.prefills] == [(fg2.slot, 1)]
+    assert step.n_prefill_bg == 0 and step.capped
+    # Unguarded (the chat has finished): cap 0 is not in force; the budget sizes background.
+    sched.finish(fg_dec, FinishReason.STOP, 0.0)
+    sched.finish(fg2, FinishReason.STOP, 0.0)
+    step = sched.plan(cap=None, bg_cap=32)
+    assert not step.guarded and step.n_prefill_bg == 32
