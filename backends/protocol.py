@@ -79,6 +79,9 @@ class StepResult:
     logits: dict[int, np.ndarray]  # seq_id -> next-token logits (float32, vocab)
     duration_s: float  # completed work, as the adapter's timing kind measures it
     device_duration_s: float | None = None  # a device-side figure where one exists (ETDump, events)
+    # Optional: the greedy token of each logits row, sampled on the device (the torch backend).
+    # Adapters that sample nowhere leave it None; the engine samples from `logits`.
+    token_ids: dict[int, int] | None = None
 
 
 class Backend(ABC):

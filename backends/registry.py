@@ -11,6 +11,7 @@ _FACTORIES = {
     "llamacpp": "dlfp.backends.llamacpp:from_profile",
     "executorch": "dlfp.backends.executorch:from_profile",
     "mlc": "dlfp.backends.mlc:from_profile",
+    "torch": "dlfp.backends.torch:from_profile",
 }
 
 
