@@ -572,3 +572,28 @@ def test_cuda_driver_checked_against_torch():
         check_cuda_driver(Driver(12080), "13.0")
     with pytest.raises(RuntimeError, match="CPU build"):
         check_cuda_driver(Driver(13000), None)
+
+
+def test_gpu_check_reports_agreement_and_fails_only_on_accounting():
+    from dlfp.backends.vllm.agreement import verdict
+
+    def paired(reconciled, agree):
+        return {"paired": {"candidates": {"dlfp": {"reconciled": reconciled, "exact_output_agreement": agree}}},
+                "agreement": {"801": {"dlfp": {"compared": 12, "mismatches": [] if agree else ["agent-3"]}}}}
+
+    ok, lines = verdict(paired(True, False), batch_invariant=False)
+    assert ok and "11/12" in lines[0] and "not required" in lines[0]
+    assert not verdict(paired(True, False), batch_invariant=True)[0]
+    assert not verdict(paired(False, True), batch_invariant=False)[0]
+    assert verdict(paired(True, True), batch_invariant=True)[0]
+
+
+def test_gpu_check_needs_a_model_and_forces_no_hub_name():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    env = {k: v for k, v in os.environ.items() if k != "MODEL"}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "usage" in proc.stderr
+    assert "HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}" not in script.read_text().split('if [ -d "$MODEL" ]')[0]
