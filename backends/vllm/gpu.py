@@ -80,36 +80,15 @@ def used_gpus(nvml, own_pids: set[int], expected: int, environ: dict | None = No
     """NVML indices of the GPUs this run uses, and how they were found.
 
     1. where our own processes (vLLM's workers) hold a context: exact, once the engine runs;
-    2. else CUDA_VISIBLE_DEVICES' first `expected` entries (UUIDs mapped through NVML;
-       integers taken as NVML indices, which holds under CUDA_DEVICE_ORDER=PCI_BUS_ID);
-    3. else GPUs 0..expected-1.
+    2. else the first `expected` GPUs CUDA_VISIBLE_DEVICES allows (all GPUs when unset).
     Idle GPUs outside the run are never summed into its energy.
     """
-    import os
+    from dlfp.devices.nvidia import visible_indices
 
-    env = os.environ if environ is None else environ
     mine = sorted({p.gpu for p in gpu_processes(nvml) if p.pid in own_pids})
     if mine:
         return mine, "GPUs holding this run's processes (NVML)"
-    visible = [v.strip() for v in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if v.strip()]
-    if visible:
-        out = []
-        for v in visible[:expected]:
-            if v.isdigit():
-                out.append(int(v))
-            else:
-                out.append(_index_of_uuid(nvml, v))
-        return out, "CUDA_VISIBLE_DEVICES"
-    return list(range(min(expected, nvml.nvmlDeviceGetCount()))), f"the first {expected} GPU(s)"
-
-
-def _index_of_uuid(nvml, uuid: str) -> int:
-    for i in range(nvml.nvmlDeviceGetCount()):
-        got = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))
-        got = got.decode() if isinstance(got, bytes) else got
-        if got == uuid or got.startswith(uuid):
-            return i
-    raise RuntimeError(f"CUDA_VISIBLE_DEVICES names {uuid}, which NVML does not see")
+    return visible_indices(nvml, environ)[:expected], f"the first {expected} GPU(s) CUDA_VISIBLE_DEVICES allows"
 
 
 def energy_samples(nvml, gpus: list[int], t: float) -> list[dict]:
