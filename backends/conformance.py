@@ -253,14 +253,14 @@ def check_capabilities(backend: Backend) -> str:
 
 def _engine_two_requests(backend: Backend) -> str:
     """The real engine serves two requests at once exactly as it serves each alone."""
-    from dlfp.controller import Unbounded
-    from dlfp.engine import Engine, EngineConfig
+    from dlfp.assembly import build_engine
+    from dlfp.devices.profiles import load_profile
     from dlfp.sequence import Request
 
     prompts = [prompt(backend, 24), prompt(backend, 24, variant=1)]
 
     def run(batch: list[list[int]]) -> list[list[int]]:
-        engine = Engine(backend, Unbounded(), EngineConfig(preemption_budget_s=None)).start()
+        engine = build_engine(backend, "unbounded", load_profile("cpu-laptop"), probe_period_s=None)
         handles = [engine.submit(Request(p, GREEDY_STEPS, ignore_eos=True)) for p in batch]
         records = [h.result(timeout=120) for h in handles]
         engine.shutdown()

@@ -35,17 +35,16 @@ from dlfp.backends.protocol import (
     Backend,
     BackendError,
     Capabilities,
+    ModelLoadError,
     StepPlan,
     StepResult,
+    physical_cores,
+    validate_plan,
 )
 
 SIDECAR_FORMAT = "dlfp-executorch/1"
 PTE_MAGIC_AT_4 = b"ET"  # a .pte flatbuffer carries the identifier "ET12"-like at byte 4
 LOAD_TIMEOUT_S = 120.0
-
-
-class ModelLoadError(ValueError):
-    """The .pte or its sidecar is missing or unusable."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +86,12 @@ class ByteTokenizer:
     def encode(self, text: str, add_special: bool) -> list[int]:
         return ([self.bos] if add_special else []) + [b + self.offset for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode_bytes(self, ids: list[int]) -> bytes:
         # Specials and ids past the byte range decode to nothing.
-        data = bytes(t - self.offset for t in ids if self.offset <= t < self.offset + 256)
-        return data.decode("utf-8", errors="replace")
+        return bytes(t - self.offset for t in ids if self.offset <= t < self.offset + 256)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def chat(self, messages: list[dict]) -> list[int]:
         text = "".join(self.template["message"].format(role=m["role"], content=m["content"]) for m in messages)
@@ -104,7 +105,7 @@ class ExecuTorchBackend(Backend):
         self.config = config
         self.meta = read_sidecar(config.model_path)
         self.tokenizer = ByteTokenizer(self.meta["tokenizer"], self.meta["chat_template"])
-        self.n_threads = config.n_threads or _physical_cores()
+        self.n_threads = config.n_threads or physical_cores()
         self.capabilities = Capabilities(
             owned_loop=True,
             multi_sequence=config.multi_sequence,
@@ -165,29 +166,13 @@ class ExecuTorchBackend(Backend):
 
     def _items(self, plan: StepPlan) -> list[tuple[int, list[int], int, bool]]:
         """Validate the plan before it reaches the runtime; one call per sequence."""
-        caps = self.capabilities
+        validate_plan(plan, self.capabilities)
         items = [(d.seq_id, [d.token_id], d.position, True) for d in plan.decodes]
         items += [(c.seq_id, list(c.token_ids), c.start, c.wants_logits) for c in plan.prefills]
-        if plan.n_tokens > caps.max_batch_tokens:
-            raise BackendError(f"step of {plan.n_tokens} tokens exceeds max_batch_tokens={caps.max_batch_tokens}")
-        slots = [slot for slot, *_ in items]
-        if len(set(slots)) != len(slots):
-            raise BackendError("a sequence appears twice in one step")
-        if len(slots) > 1 and not caps.multi_sequence:
-            raise BackendError("this backend runs one sequence per step (multi_sequence=False)")
-        for slot, ids, start, _ in items:
-            if not 0 <= slot < caps.max_sequences:
-                raise BackendError(f"sequence slot {slot} is outside 0..{caps.max_sequences - 1}")
-            if not ids:
-                raise BackendError(f"empty chunk for sequence {slot}")
-            if start + len(ids) > caps.context_per_sequence:
-                raise BackendError(f"sequence {slot} would pass the context of {caps.context_per_sequence}")
-            if start < 0 or start > self._filled[slot]:
+        for slot, _, start, _ in items:
+            if start > self._filled[slot]:
                 # The program attends over every cell up to the position: a gap would read stale cells.
                 raise BackendError(f"sequence {slot} holds {self._filled[slot]} positions; a chunk at {start} leaves a gap")
-            bad = [t for t in ids if not 0 <= t < caps.vocab_size]
-            if bad:
-                raise BackendError(f"token id {bad[0]} is outside the vocabulary (0..{caps.vocab_size - 1})")
         return items
 
     def free_sequence(self, seq_id: int) -> None:
@@ -201,6 +186,9 @@ class ExecuTorchBackend(Backend):
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def token_bytes(self, token_ids: list[int]) -> bytes:
+        return self.tokenizer.decode_bytes(token_ids)
 
     def is_eos(self, token_id: int) -> bool:
         return token_id == self.tokenizer.eos
@@ -242,13 +230,6 @@ class ExecuTorchBackend(Backend):
             pass
 
 
-def _physical_cores() -> int:
-    import psutil
-
-    # XNNPACK threads beyond the physical cores only contend (as with llama.cpp).
-    return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-
-
 def from_profile(
     model_path: str | None,
     profile,
@@ -262,8 +243,8 @@ def from_profile(
     return ExecuTorchBackend(
         ExecuTorchConfig(
             model_path=str(model_path),
-            n_seq=profile.n_seq_max,
-            max_batch_tokens=profile.n_batch,
+            n_seq=profile.max_sequences,
+            max_batch_tokens=profile.max_batch_tokens,
             n_threads=n_threads,
             multi_sequence=multi_sequence,
             etdump=etdump,

@@ -20,23 +20,21 @@ from dlfp.backends.protocol import (
     Backend,
     BackendError,
     Capabilities,
+    Limits,
+    ModelLoadError,
     StepPlan,
     StepResult,
+    physical_cores,
+    validate_plan,
 )
 
 GGUF_MAGIC = b"GGUF"
 
 
-class ModelLoadError(ValueError):
-    """The model file is missing, not a GGUF, or llama.cpp refused it."""
-
-
 @dataclass(frozen=True)
 class LlamaCppConfig:
     model_path: str
-    n_ctx: int = 8192
-    n_seq_max: int = 4
-    n_batch: int = 512
+    limits: Limits = Limits(max_sequences=4, context_per_sequence=2048, max_batch_tokens=512)
     n_threads: int | None = None  # None: one per physical core
     kv_unified: bool = False  # one cache for all sequences (see README: a benchmark setting)
     extra_buffers: bool = False  # llama.cpp's repacked weight buffers (AMX); see __init__
@@ -57,13 +55,6 @@ def check_gguf(path: str | os.PathLike) -> Path:
         if f.read(4) != GGUF_MAGIC:
             raise ModelLoadError(f"not a GGUF file (bad magic): {p}")
     return p
-
-
-def default_threads() -> int:
-    import psutil
-
-    # Oversubscribing cores turns a 1 ms decode into hundreds of ms: one per physical core.
-    return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
 class _Batch:
@@ -123,7 +114,7 @@ class LlamaCppBackend(Backend):
         llama_cpp._logger.set_verbose(config.verbose)
         self._ll = ll = llama_cpp
         self.config = config
-        self.n_threads = config.n_threads or default_threads()
+        self.n_threads = config.n_threads or physical_cores()
         ll.llama_backend_init()
         mp = ll.llama_model_default_params()
         # Extra buffer types repack weights for AMX on CPUs that have it; on this
@@ -132,11 +123,13 @@ class LlamaCppBackend(Backend):
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load the model: {path}")
+        lim = config.limits
         cp = ll.llama_context_default_params()
-        cp.n_ctx = config.n_ctx
-        cp.n_batch = config.n_batch
-        cp.n_ubatch = config.n_batch  # one micro-batch per step: the step is what we time
-        cp.n_seq_max = config.n_seq_max
+        # llama.cpp's n_ctx is the cache of all sequences together (each gets n_ctx / n_seq_max).
+        cp.n_ctx = lim.context_per_sequence * lim.max_sequences
+        cp.n_batch = lim.max_batch_tokens
+        cp.n_ubatch = lim.max_batch_tokens  # one micro-batch per step: the step is what we time
+        cp.n_seq_max = lim.max_sequences
         cp.n_threads = self.n_threads  # one-token sub-batches use n_threads ...
         cp.n_threads_batch = self.n_threads  # ... any mixed batch uses n_threads_batch
         cp.kv_unified = config.kv_unified
@@ -145,7 +138,7 @@ class LlamaCppBackend(Backend):
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
             ll.llama_model_free(self._model)
-            raise ModelLoadError(f"llama.cpp could not create a context for {path} (n_ctx={config.n_ctx})")
+            raise ModelLoadError(f"llama.cpp could not create a context for {path} ({lim})")
         self._vocab = ll.llama_model_get_vocab(self._model)
         self._mem = ll.llama_get_memory(self._ctx)
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
@@ -165,16 +158,7 @@ class LlamaCppBackend(Backend):
 
     # -- stepping ----------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
-        caps = self.capabilities
-        if plan.n_tokens > caps.max_batch_tokens:
-            # llama.cpp asserts (and kills the process) on an oversized batch: refuse first.
-            raise BackendError(f"step of {plan.n_tokens} tokens exceeds n_batch={caps.max_batch_tokens}")
-        for c in plan.prefills:
-            if c.end > caps.context_per_sequence:
-                raise BackendError(f"sequence {c.seq_id} would pass the context of {caps.context_per_sequence}")
-        for d in plan.decodes:
-            if d.position >= caps.context_per_sequence:
-                raise BackendError(f"sequence {d.seq_id} is at the end of its context")
+        validate_plan(plan, self.capabilities)  # llama.cpp asserts (kills the process) on an oversized batch
         outputs = self._batch.fill(plan)
         t0 = time.perf_counter()
         rc = self._ll.llama_decode(self._ctx, self._batch.struct)
@@ -206,7 +190,6 @@ class LlamaCppBackend(Backend):
         return self.token_bytes(token_ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_ids: list[int], special: bool = False) -> bytes:
-        """Raw bytes (a streaming client may need to wait for a whole UTF-8 character)."""
         out = bytearray()
         buf = ctypes.create_string_buffer(256)
         for t in token_ids:
@@ -237,9 +220,9 @@ class LlamaCppBackend(Backend):
         return {
             "name": self.name,
             "model_path": str(Path(self.config.model_path).resolve()),
-            "n_ctx": self.config.n_ctx,
-            "n_seq_max": self.capabilities.max_sequences,
-            "n_batch": self.capabilities.max_batch_tokens,
+            "max_sequences": self.capabilities.max_sequences,
+            "context_per_sequence": self.capabilities.context_per_sequence,
+            "max_batch_tokens": self.capabilities.max_batch_tokens,
             "n_threads": self.n_threads,
             "kv_unified": self.config.kv_unified,
             "flash_attn": self.config.flash_attn,
@@ -264,7 +247,7 @@ class LlamaCppBackend(Backend):
 def from_profile(
     model_path: str | None, profile, n_threads: int | None = None, kv_unified: bool = False
 ) -> LlamaCppBackend:
-    """The registry's factory: sizes come from the device profile."""
+    """The target registry's loader: limits come from the device profile."""
     if model_path is None:
         from dlfp.models import default_model_path
 
@@ -272,9 +255,7 @@ def from_profile(
     return LlamaCppBackend(
         LlamaCppConfig(
             model_path=str(model_path),
-            n_ctx=profile.n_ctx,
-            n_seq_max=profile.n_seq_max,
-            n_batch=profile.n_batch,
+            limits=profile.limits,
             n_threads=n_threads,
             kv_unified=kv_unified,
         )

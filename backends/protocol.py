@@ -7,6 +7,7 @@ imports an adapter; an adapter imports only this module.
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -20,6 +21,36 @@ TIMING_DEVICE_EVENT = "device-event"  # device events/callbacks bracket the work
 
 class BackendError(Exception):
     """A request-level failure the engine records in the trace (the run goes on)."""
+
+
+class ModelLoadError(ValueError):
+    """The model is missing, of the wrong kind, or the runtime refused it (one line for the user)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much a backend holds, in the one set of names every adapter uses.
+
+    A device profile gives the wanted limits; an adapter may lower them to what its
+    model or runtime allows and reports the result in its Capabilities.
+    """
+
+    max_sequences: int  # sequences alive at once (llama.cpp's n_seq_max)
+    context_per_sequence: int  # positions one sequence may occupy (vLLM's max_model_len)
+    max_batch_tokens: int  # tokens one step may carry (llama.cpp's n_batch, MLC's prefill_chunk_size)
+
+    def __post_init__(self) -> None:
+        for name in ("max_sequences", "context_per_sequence", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def physical_cores() -> int:
+    """Threads for a CPU runtime: one per physical core (oversubscribing 2 cores turned a
+    1 ms decode into 400 ms with llama.cpp; XNNPACK and TVM pools contend the same way)."""
+    import psutil
+
+    return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -74,6 +105,39 @@ class StepPlan:
         return not self.decodes and not self.prefills
 
 
+def validate_plan(plan: StepPlan, caps: "Capabilities") -> None:
+    """Refuse a plan no adapter can run, before it reaches the runtime.
+
+    Runtimes answer a bad batch badly (llama.cpp asserts and kills the process on a
+    batch over n_batch; TVM raises mid-step with the cache half written), so every
+    adapter calls this first and adds only the checks its runtime needs beyond it.
+    """
+    if plan.is_empty():
+        raise BackendError("empty step plan")
+    if plan.n_tokens > caps.max_batch_tokens:
+        raise BackendError(f"step of {plan.n_tokens} tokens exceeds max_batch_tokens={caps.max_batch_tokens}")
+    slots = [d.seq_id for d in plan.decodes] + [c.seq_id for c in plan.prefills]
+    if len(set(slots)) != len(slots):
+        raise BackendError(f"a sequence appears twice in one step: {slots}")
+    if len(slots) > 1 and not caps.multi_sequence:
+        raise BackendError("this backend runs one sequence per step (multi_sequence=False)")
+    for slot in slots:
+        if not 0 <= slot < caps.max_sequences:
+            raise BackendError(f"sequence slot {slot} is outside 0..{caps.max_sequences - 1}")
+    for c in plan.prefills:
+        if not c.token_ids:
+            raise BackendError(f"empty prefill chunk for sequence {c.seq_id}")
+        if c.start < 0 or c.end > caps.context_per_sequence:
+            raise BackendError(f"sequence {c.seq_id} would pass the context of {caps.context_per_sequence}")
+    for d in plan.decodes:
+        if not 0 <= d.position < caps.context_per_sequence:
+            raise BackendError(f"sequence {d.seq_id} is at the end of its context")
+    tokens = [d.token_id for d in plan.decodes] + [t for c in plan.prefills for t in c.token_ids]
+    bad = next((t for t in tokens if not 0 <= t < caps.vocab_size), None)
+    if bad is not None:
+        raise BackendError(f"token id {bad} is outside the vocabulary (size {caps.vocab_size})")
+
+
 @dataclass
 class StepResult:
     logits: dict[int, np.ndarray]  # seq_id -> next-token logits (float32, vocab)
@@ -106,6 +170,14 @@ class Backend(ABC):
 
     @abstractmethod
     def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_ids: list[int]) -> bytes:
+        """Raw bytes of tokens, so a stream can hold back a split UTF-8 character.
+
+        Adapters whose tokenizer has byte pieces override this; the default is exact
+        only for tokenizers whose every token decodes to whole characters.
+        """
+        return self.detokenize(token_ids).encode("utf-8")
 
     @abstractmethod
     def is_eos(self, token_id: int) -> bool: ...

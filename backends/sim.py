@@ -108,3 +108,11 @@ class SimBackend(Backend):
 
     def describe(self) -> dict:
         return {"name": self.name, "simulated": True, "cost": vars(self.cost)}
+
+
+def from_profile(model_path: str | None, profile, **_) -> SimBackend:
+    """The target registry's loader: a SIMULATED backend sized like the profile, sleeping
+    in real time (labelled simulated in every trace). It runs no model: `model_path` is ignored."""
+    lim = profile.limits
+    return SimBackend(max_sequences=lim.max_sequences, context=lim.context_per_sequence,
+                      max_batch_tokens=lim.max_batch_tokens, sleep=True)

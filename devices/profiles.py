@@ -6,6 +6,7 @@ from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
+from dlfp.backends.protocol import Limits
 from dlfp.controller import DLFPParams
 
 
@@ -20,9 +21,10 @@ class DeviceProfile:
     quantum: int
     preemption_budget_ms: float  # 0: no budget
     preemption_initial: int
-    n_ctx: int
-    n_seq_max: int
-    n_batch: int
+    # Limits, in the names every adapter uses (dlfp.backends.protocol.Limits).
+    max_sequences: int
+    context_per_sequence: int
+    max_batch_tokens: int
     # Thermal governor (dlfp.devices.governor): hold background prefill back above this
     # temperature, or on battery below this charge (0: never for the battery).
     thermal_limit_c: float = 90.0
@@ -33,6 +35,10 @@ class DeviceProfile:
         target = itl_target_ms if itl_target_ms is not None else self.itl_target_ms
         growth = self.max_growth if self.max_growth > 0 else None
         return DLFPParams(target / 1e3, self.initial, self.minimum, self.maximum, self.quantum, growth)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_sequences, self.context_per_sequence, self.max_batch_tokens)
 
     @property
     def preemption_budget_s(self) -> float | None:

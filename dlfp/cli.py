@@ -17,14 +17,11 @@ class UserError(click.ClickException):
 
 
 def open_backend(name: str, model: str | None, profile, threads: int | None, kv_unified: bool = False):
-    """Load a backend, turning every load failure into one line."""
-    from dlfp.backends.registry import load_backend
+    """Load an owned-loop backend by name, turning every load failure into one line."""
+    from dlfp.targets import load_backend
 
-    options = {"n_threads": threads}
-    if name == "llamacpp":
-        options["kv_unified"] = kv_unified
     try:
-        return load_backend(name, model, profile, **options)
+        return load_backend(name, model, profile, n_threads=threads, kv_unified=kv_unified)
     except (ValueError, FileNotFoundError, OSError) as exc:
         raise UserError(str(exc)) from None
 
@@ -86,7 +83,8 @@ def main(verbose: bool) -> None:
 
 def model_options(f):
     f = click.option("--model", type=str, default=None, help="GGUF file (default: the embedded SmolLM2-135M).")(f)
-    f = click.option("--backend", default="llamacpp", show_default=True, help="Runtime adapter.")(f)
+    f = click.option("--backend", default="llamacpp", show_default=True,
+                     help="Runtime adapter: llamacpp, executorch, mlc, sim (SIMULATED), ...")(f)
     f = click.option("--profile", default="cpu-laptop", show_default=True, help="Device profile name or TOML path.")(f)
     f = click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")(f)
     return f
@@ -121,7 +119,7 @@ def laptop(model, backend, profile, threads, policies, itl_target_ms, docs, chat
         script = replace(script, turns=script.turns[:turns])
     if max_docs is not None:
         documents = documents[:max_docs]
-    policy_list = _policy_list(policies, prof)
+    policy_list = _policy_list(policies, prof, backend)
     be = open_backend(backend, model, prof, threads, kv_unified)
     settings = LaptopSettings(
         policies=policy_list,
@@ -157,8 +155,8 @@ def laptop(model, backend, profile, threads, policies, itl_target_ms, docs, chat
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def generate(model, backend, profile, threads, prompt, max_tokens, temperature, top_p):
     """Chat once with the model and stream the reply (a quick sanity check)."""
-    from dlfp.controller import Unbounded
-    from dlfp.engine import Engine, EngineConfig, InvalidRequest
+    from dlfp.assembly import build_engine
+    from dlfp.engine import InvalidRequest
     from dlfp.sequence import Request, SamplingParams
 
     prof = get_profile(profile)
@@ -166,7 +164,8 @@ def generate(model, backend, profile, threads, prompt, max_tokens, temperature, 
     try:
         sampling = SamplingParams(temperature, top_p)
         ids = be.apply_chat_template([{"role": "user", "content": prompt}])
-        engine = Engine(be, Unbounded(), EngineConfig(preemption_budget_s=None)).start()
+        # One request alone: nothing to protect, so the stock runtime's full batches.
+        engine = build_engine(be, "unbounded", prof, probe_period_s=None)
         handle = engine.submit(Request(ids, max_tokens, sampling=sampling))
     except (ValueError, InvalidRequest) as exc:
         raise UserError(str(exc)) from None
@@ -181,17 +180,21 @@ def generate(model, backend, profile, threads, prompt, max_tokens, temperature, 
     engine.shutdown()
 
 
-def _policy_list(spec: str, prof) -> list[str]:
+def _policy_list(spec: str, prof, backend: str = "llamacpp") -> list[str]:
+    """Policy names, each checked now: that it parses and that the backend can run it."""
     from dlfp.controller import parse_policy
+    from dlfp.targets import get_target
 
     names = [p.strip() for p in spec.split(",") if p.strip()]
     if not names:
         raise UserError("--policies is empty")
-    for name in names:
-        try:
+    try:
+        entry = get_target(backend)
+        for name in names:
             parse_policy(name, prof.dlfp_params())
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+            entry.check_policy(name)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     return names
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Mapping
 
 COMPLETION = "completion"  # completed device time of the step (what dlfp uses)
 CADENCE = "cadence"  # interval between scheduler calls (the paper's proxy; reproduction only)
@@ -128,6 +129,41 @@ class DLFPParams:
             )
 
 
+def params_to_dict(p: DLFPParams) -> dict:
+    """Every field of the parameters, the target in ms: what traces, configs and the
+    vLLM plug-in's settings carry. Serialised from the dataclass, so none is dropped."""
+    d = asdict(p)
+    return {"target_ms": d.pop("target_s") * 1e3, **d}
+
+
+def params_from_dict(values: Mapping, base: DLFPParams) -> DLFPParams:
+    """`base` with the fields `values` names (as params_to_dict spells them) replaced.
+
+    Values may be strings (environment variables); each is converted to the type of
+    the field's value in `base`. Raises ValueError naming an unknown or bad key.
+    """
+    names = {f.name for f in fields(DLFPParams)}
+    changes = {}
+    for key, raw in values.items():
+        name = "target_s" if key == "target_ms" else key
+        if key == "target_s" or name not in names:
+            raise ValueError(f"unknown controller parameter {key!r}; known: {', '.join(params_to_dict(base))}")
+        current = getattr(base, name)
+        try:
+            if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none")):
+                value = None
+            elif isinstance(current, bool):
+                value = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
+            elif isinstance(current, int):
+                value = int(raw)
+            else:
+                value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"controller parameter {key!r}: not a number: {raw!r}") from None
+        changes[name] = value / 1e3 if key == "target_ms" and value is not None else value
+    return replace(base, **changes)
+
+
 def next_cap(cap: int, target_s: float, latency_s: float, p: DLFPParams) -> int:
     """Equation (2): proportional resize, floored to the quantum, then clamped."""
     if latency_s <= 0:
@@ -175,16 +211,14 @@ class DLFP(PrefillPolicy):
         return self._misses_at_min >= UNREACHABLE_AFTER
 
     def describe(self) -> dict:
-        p = self.params
-        return {
-            "name": self.name,
-            "source": self.source,
-            "target_ms": p.target_s * 1e3,
-            "initial": p.initial,
-            "minimum": p.minimum,
-            "maximum": p.maximum,
-            "quantum": p.quantum,
-        }
+        return {"name": self.name, "source": self.source, **params_to_dict(self.params)}
+
+
+def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> PrefillPolicy:
+    """Sizes isolated background chunks so that one step stays within the preemption
+    budget: the same proportional law, aimed at the budget instead of the ITL target."""
+    initial = max(1, min(initial, max_tokens))
+    return DLFP(DLFPParams(budget_s, initial, 1, max_tokens, 1))
 
 
 def parse_policy(spec: str, defaults: DLFPParams) -> PrefillPolicy:

@@ -1,9 +1,19 @@
 """The engine loop for backends whose step dlfp owns.
 
 One thread runs: admit -> plan (under the policy's cap) -> backend.step ->
-observe -> sample -> deliver tokens. Callers on any thread `submit()` requests
-and read tokens from the returned handle. The loop stamps every token with the
-time its step completed, so ITL in the trace is what a client sees.
+observe -> sample -> update sequences -> deliver events. Callers on any thread
+`submit()` requests and read tokens from the returned handle. Every token is
+stamped with the time its step completed, so ITL in the trace is what a client sees.
+
+The scheduler owns each sequence's life (admit, plan, update after a step, finish);
+the step observer (`dlfp.observer`) decides what the policy is fed; the engine
+runs the loop, samples, and delivers. Build one with `dlfp.assembly.build_engine`,
+which decides the policy's budget, governor and probes in one place.
+
+Isolation: whatever one request carries (its sampling parameters, its callback)
+can fail that request only; a failing step fails the requests in it; the loop
+itself ends only after repeated failures it cannot pin on any request, and then
+says so in `failure`.
 """
 from __future__ import annotations
 
@@ -18,17 +28,25 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dlfp.backends.protocol import Backend, BackendError
-from dlfp.controller import CADENCE, DLFP, DLFPParams, PrefillPolicy
+from dlfp.controller import PrefillPolicy, make_budget_policy
+from dlfp.observer import StepObserver, plan_shape
 from dlfp.sampling import sample
 from dlfp.scheduler import PlannedStep, Scheduler
-from dlfp.sequence import FOREGROUND, Request, Sequence, Status
+from dlfp.sequence import FOREGROUND, FinishReason, Request, Sequence, Status
 from dlfp.trace import RequestRecord, StepRecord, Trace
 
 log = logging.getLogger("dlfp.engine")
 
+# Loop failures in a row that no request can be blamed for before the engine gives up.
+MAX_LOOP_FAILURES = 3
+
 
 class InvalidRequest(ValueError):
     """The request was refused before it reached the scheduler (recorded in the trace)."""
+
+
+class EngineStopped(InvalidRequest):
+    """The engine is not running (stopped, or its loop died: see `Engine.failure`)."""
 
 
 @dataclass(frozen=True)
@@ -41,15 +59,19 @@ class TokenEvent:
 
 
 class RequestHandle:
-    """What `submit` returns: stream tokens, wait for the record, or cancel."""
+    """What `submit` returns: stream tokens, wait for the record, or cancel.
+
+    With `on_event`, events go to the callback only (nothing is queued), so a
+    caller that never iterates the handle leaves nothing behind.
+    """
 
     def __init__(
         self, engine: "Engine", request: Request, on_event: Callable[[TokenEvent], None] | None = None
     ):
         self.request = request
         self._engine = engine
-        self._events: queue.Queue[TokenEvent] = queue.Queue()
         self._on_event = on_event
+        self._events: queue.Queue[TokenEvent] | None = None if on_event else queue.Queue()
         self._done = threading.Event()
         self.record: RequestRecord | None = None
 
@@ -59,6 +81,8 @@ class RequestHandle:
 
     def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
         """Every token event, ending with the final one (finish reason or error)."""
+        if self._events is None:
+            raise RuntimeError("this handle delivers its events to on_event")
         while True:
             ev = self._events.get(timeout=timeout)
             yield ev
@@ -80,9 +104,11 @@ class RequestHandle:
         self._engine.abort(self.request_id)
 
     def _deliver(self, ev: TokenEvent) -> None:
-        self._events.put(ev)
+        """Runs on the engine thread. Raises what the caller's callback raised."""
         if self._on_event is not None:
-            self._on_event(ev)  # runs on the engine thread: must be quick and must not raise
+            self._on_event(ev)
+        else:
+            self._events.put(ev)
 
     def _finish(self, record: RequestRecord) -> None:
         self.record = record
@@ -91,23 +117,13 @@ class RequestHandle:
 
 @dataclass
 class EngineConfig:
+    """How the engine runs. What a policy implies (its budget) is decided in dlfp.assembly."""
+
     preemption_budget_s: float | None = 0.5  # None: no budget (llama.cpp server behaviour)
     preemption_initial: int = 32  # first isolated background chunk, before any observation
     protect: tuple[str, ...] = (FOREGROUND,)
     seed: int = 0
     idle_wait_s: float = 0.05
-
-    @classmethod
-    def for_policy(cls, policy: PrefillPolicy, profile) -> "EngineConfig":
-        """Engine settings for `policy` on a device profile.
-
-        Unbounded stands for llama.cpp's server: whole prompts up to the batch size
-        and no preemption budget either; every other policy gets the profile's budget.
-        """
-        from dlfp.controller import Unbounded
-
-        budget = None if isinstance(policy, Unbounded) else profile.preemption_budget_s
-        return cls(preemption_budget_s=budget, preemption_initial=profile.preemption_initial)
 
 
 class Engine:
@@ -125,32 +141,40 @@ class Engine:
         self.clock = clock
         self.trace = trace or Trace(origin=clock())
         caps = backend.capabilities
-        self.scheduler = Scheduler(caps, self.config.protect)
-        self.preemption = self._make_preemption(caps.max_batch_tokens)
-        self._handles: dict[str, RequestHandle] = {}
+        self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos)
+        budget = None
+        if self.config.preemption_budget_s is not None:
+            budget = make_budget_policy(self.config.preemption_budget_s, self.config.preemption_initial,
+                                        caps.max_batch_tokens)
+        self.observer = StepObserver(policy, clock, self._on_step, budget)
+        self._handles: dict[str, RequestHandle] = {}  # requests not yet finished
         self._seqs: dict[str, Sequence] = {}
         self._rngs: dict[str, np.random.Generator] = {}
         self._inbox: list[tuple[str, object]] = []
         self._wake = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._prev_call: float | None = None
-        self._prev_capped = False
+        self._step_no = 0
+        self.failure: str | None = None  # why the loop died (None while it has not)
         self.step_hooks: list[Callable[[StepRecord], None]] = []
         # Thermal governor hook: gate(now) -> (background prefill may run, label for StepRecord.governor).
         self.background_gate: Callable[[float], tuple[bool, str | None]] | None = None
+        self.companions: list = []  # started and stopped with the engine (probe sampler)
 
-    def _make_preemption(self, n_batch: int) -> DLFP | None:
-        budget = self.config.preemption_budget_s
-        if budget is None:
-            return None
-        initial = max(1, min(self.config.preemption_initial, n_batch))
-        # The same proportional law, aimed at the budget, sizes isolated background chunks.
-        return DLFP(DLFPParams(budget, initial, 1, n_batch, 1))
+    @property
+    def preemption(self) -> PrefillPolicy | None:
+        """The policy sizing isolated background chunks (None: no preemption budget)."""
+        return self.observer.budget
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
 
     # -- caller side -------------------------------------------------------
     def start(self) -> "Engine":
         if self._thread is None:
+            for c in self.companions:
+                c.start()
             self._thread = threading.Thread(target=self._run, name="dlfp-engine", daemon=True)
             self._thread.start()
         return self
@@ -160,27 +184,31 @@ class Engine:
     ) -> RequestHandle:
         """Queue a request; raises InvalidRequest (and records it) if it cannot run.
 
-        `on_event`, if given, also receives every event as it is delivered (on the
-        engine thread), so an event loop can be woken without a thread per request.
+        `on_event`, if given, receives every event as it is delivered (on the engine
+        thread, so it must be quick); an exception it raises fails its request only.
         """
         now = self.clock()
         handle = RequestHandle(self, request, on_event)
         caps = self.backend.capabilities
         try:
             request.validate(caps.vocab_size, caps.context_per_sequence)
+            rng = np.random.default_rng(_seed_for(request, self.config.seed))
             with self._wake:  # the checks and the queueing are one step against a stopping loop
                 if self._stop:
-                    raise ValueError("the engine has stopped")
+                    raise EngineStopped(self.failure or "the engine has stopped")
                 if request.request_id in self._handles:
                     raise ValueError(f"duplicate request id {request.request_id!r}")
                 self._handles[request.request_id] = handle
-                self._inbox.append(("submit", Sequence(request, arrival_s=now)))
+                self._inbox.append(("submit", (Sequence(request, arrival_s=now), rng)))
                 self._wake.notify()
         except ValueError as exc:
-            record = self._record(Sequence(request, arrival_s=now), "error", str(exc), now)
-            handle._deliver(TokenEvent(request.request_id, None, now, "error", str(exc)))
+            seq = Sequence(request, arrival_s=now)
+            seq.finish_reason, seq.error, seq.finished_s = FinishReason.ERROR, str(exc), now
+            record = self._record(seq)
+            _safe_deliver(handle, TokenEvent(request.request_id, None, now, FinishReason.ERROR, str(exc)))
             handle._finish(record)
-            raise InvalidRequest(str(exc)) from None
+            kind = EngineStopped if isinstance(exc, EngineStopped) else InvalidRequest
+            raise kind(str(exc)) from None
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -193,9 +221,8 @@ class Engine:
         aborted: list[str] = []
         if abort_pending:
             with self._wake:
-                pending = [rid for rid, h in self._handles.items() if h.record is None]
-                self._inbox.extend(("abort", rid) for rid in pending)
-                aborted = pending
+                aborted = list(self._handles)
+                self._inbox.extend(("abort", rid) for rid in aborted)
         else:
             self.wait_idle(timeout)
         with self._wake:
@@ -203,11 +230,13 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        for c in self.companions:
+            c.stop()
         return aborted
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while any(h.record is None for h in list(self._handles.values())):
+        while self._handles:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
@@ -218,7 +247,7 @@ class Engine:
         s = self.scheduler
         return {
             "waiting_foreground": len(s.waiting[FOREGROUND]),
-            "waiting_background": len(s.waiting["background"]),
+            "waiting_background": sum(len(q) for cls, q in s.waiting.items() if cls != FOREGROUND),
             "running": len(s.running),
             "cap": self.policy.cap(),
         }
@@ -233,15 +262,18 @@ class Engine:
 
     def _fail_everything(self, message: str) -> None:
         with self._wake:
+            self.failure = message
             self._stop = True
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
             if kind == "submit":
-                self._seqs[item.request.request_id] = item
+                seq, rng = item
+                self._seqs[seq.request.request_id] = seq
         for seq in list(self._seqs.values()):
-            self._finish(seq, "error", message, self.clock(), free_slot=False)  # the runtime is gone
+            self._finish(seq, FinishReason.ERROR, message, free_slot=False)  # the runtime is gone
 
     def _loop(self) -> None:
+        failures = 0
         while True:
             with self._wake:
                 if not self._inbox and not self.scheduler.has_work() and not self._stop:
@@ -251,164 +283,145 @@ class Engine:
             self._take(inbox)
             if stop:
                 return
-            if self.scheduler.has_work():
+            if not self.scheduler.has_work():
+                continue
+            try:
                 self._step()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - not pinned on a request: fail the running ones
+                failures += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                if failures >= MAX_LOOP_FAILURES:
+                    raise
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, FinishReason.ERROR, f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _take(self, inbox: list[tuple[str, object]]) -> None:
         for kind, item in inbox:
             if kind == "submit":
-                seq = item
+                seq, rng = item
                 self._seqs[seq.request.request_id] = seq
-                self._rngs[seq.request.request_id] = np.random.default_rng(_seed_for(seq.request, self.config.seed))
+                self._rngs[seq.request.request_id] = rng
                 self.scheduler.add(seq)
             elif kind == "abort" and item in self._seqs:
-                self._finish(self._seqs[item], "abort", None, self.clock())
+                self._finish(self._seqs[item], FinishReason.ABORT)
 
     def _step(self) -> None:
         for seq in self.scheduler.admit():
             self.backend.free_sequence(seq.slot)  # slot reuse starts from an empty cache
-        t_call = self.clock()
-        guarded = self.scheduler.guarded()
-        observed = self._observe_cadence(t_call)
-        if not guarded:
-            self.policy.reset()
-        cap = self.policy.cap() if guarded else None
-        bg_allowed, gate_label = self.background_gate(t_call) if self.background_gate else (True, None)
-        bg_cap = self.preemption.cap() if self.preemption is not None else None
-        if not bg_allowed:
-            bg_cap = 0
-        step = self.scheduler.plan(cap, bg_cap, background=bg_allowed)
+        obs = self.observer
+        cap = obs.begin(self.scheduler.guarded())
+        bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
+        step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed)
+        self._step_no += 1
+        shape = plan_shape([d.position for d in step.plan.decodes], [(c.start, len(c.token_ids)) for c in step.plan.prefills])
+        obs.scheduled(self._step_no, step.guarded, step.cap, shape,
+                      n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label)
         if step.plan.is_empty():
-            self._prev_call = None
             time.sleep(self.config.idle_wait_s)  # background held back by the governor
             return
         try:
             result = self.backend.step(step.plan)
-        except BackendError as exc:
-            self._fail_plan(step, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail; the engine goes on
+            message = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
+            self._fail_plan(step, message)
             return
-        if step.capped and self.policy.source != CADENCE:
-            observed = result.duration_s
-            self.policy.observe(observed)
-        if step.budgeted and self.preemption is not None:
-            self.preemption.observe(result.duration_s)
-        self._prev_call, self._prev_capped = t_call, step.capped
-        t_done = self.clock()
-        self._apply(step, result.logits, t_done)
-        self._record_step(step, result, t_call, t_done, observed, gate_label)
+        record = obs.completed(self._step_no, result.duration_s, result.device_duration_s)
+        t_done = record.t1 if record is not None else self.clock()
+        update = self.scheduler.update(step, self._sample(step, result.logits, t_done), t_done)
+        for seq, token in update.tokens:
+            self._emit(seq, TokenEvent(seq.request.request_id, token, t_done))
+        for seq in update.finished:
+            self._close(seq, free_slot=True)
 
-    def _observe_cadence(self, t_call: float) -> float | None:
-        """The paper's proxy: interval between scheduler calls after a capped step."""
-        if self.policy.source != CADENCE or not self._prev_capped or self._prev_call is None:
-            return None
-        interval = t_call - self._prev_call
-        self.policy.observe(interval)
-        return interval
-
-    def _apply(self, step: PlannedStep, logits: dict, t_done: float) -> None:
+    def _sample(self, step: PlannedStep, logits: dict, t_done: float) -> dict[int, int]:
+        """Slot -> next token. A request whose sampling fails ends with that error, alone."""
+        tokens = {}
         by_slot = {s.slot: s for s in self.scheduler.running}
-        for chunk in step.plan.prefills:
-            seq = by_slot[chunk.seq_id]
-            seq.n_prefilled = chunk.end
-            seq.n_prefill_chunks += 1
-        sampled = [by_slot[d.seq_id] for d in step.plan.decodes]
-        sampled += [by_slot[c.seq_id] for c in step.plan.prefills if c.wants_logits]
-        for seq in sampled:
-            if seq.status == Status.FINISHED:
+        for slot in step.sampled_slots():
+            seq = by_slot.get(slot)
+            if seq is None or seq.status == Status.FINISHED:
                 continue
             try:
-                row = logits[seq.slot]
-                token = sample(row, seq.request.sampling, self._rngs[seq.request.request_id])
-            except (KeyError, ValueError) as exc:
-                self._finish(seq, "error", f"sampling failed: {exc}", t_done)
-                continue
-            seq.status = Status.DECODING
-            seq.output_ids.append(token)
-            seq.token_times.append(t_done)
-            self._handles[seq.request.request_id]._deliver(TokenEvent(seq.request.request_id, token, t_done))
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self._finish(seq, reason, None, t_done)
+                tokens[slot] = sample(logits[slot], seq.request.sampling, self._rngs[seq.request.request_id])
+            except Exception as exc:  # noqa: BLE001 - the request's own parameters or a missing row
+                self._finish(seq, FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}", t_done)
+        return tokens
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if not seq.request.ignore_eos and self.backend.is_eos(token):
-            return "stop"
-        if len(seq.output_ids) >= seq.request.max_tokens:
-            return "length"
-        if seq.next_position + 1 >= self.backend.capabilities.context_per_sequence:
-            return "length"  # the context is full: no room for the next token
-        return None
+    def _emit(self, seq: Sequence, ev: TokenEvent) -> None:
+        """Deliver one event; a callback that raises fails its own request."""
+        handle = self._handles.get(seq.request.request_id)
+        if handle is None:
+            return
+        try:
+            handle._deliver(ev)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("event callback of %s raised %s: failing that request", seq.request.request_id, exc)
+            self._finish(seq, FinishReason.ERROR, f"event callback failed: {type(exc).__name__}: {exc}", ev.t)
 
     def _fail_plan(self, step: PlannedStep, message: str) -> None:
         slots = {d.seq_id for d in step.plan.decodes} | {c.seq_id for c in step.plan.prefills}
-        now = self.clock()
         log.error("step failed (%s); failing %d sequence(s)", message, len(slots))
         for seq in [s for s in self.scheduler.running if s.slot in slots]:
-            self._finish(seq, "error", message, now)
+            self._finish(seq, FinishReason.ERROR, message)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None, now: float, free_slot: bool = True) -> None:
-        if seq.status == Status.FINISHED:
-            return
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, now: float | None = None,
+                free_slot: bool = True) -> None:
         had_slot = seq in self.scheduler.running
-        self.scheduler.release(seq)
-        if had_slot and free_slot:
+        if self.scheduler.finish(seq, reason, self.clock() if now is None else now, error):
+            self._close(seq, free_slot=free_slot and had_slot)
+
+    def _close(self, seq: Sequence, free_slot: bool) -> None:
+        """A sequence the scheduler has ended: free its cache, record it, tell the caller, forget it."""
+        if free_slot:
             self.backend.free_sequence(seq.slot)
-        seq.status = Status.FINISHED
         rid = seq.request.request_id
-        record = self._record(seq, reason, error, now)
-        handle = self._handles[rid]
-        handle._deliver(TokenEvent(rid, None, now, reason, error))
-        handle._finish(record)
+        record = self._record(seq)
+        handle = self._handles.pop(rid, None)
         self._seqs.pop(rid, None)
         self._rngs.pop(rid, None)
+        if handle is not None:
+            _safe_deliver(handle, TokenEvent(rid, None, seq.finished_s, seq.finish_reason, seq.error))
+            handle._finish(record)
 
-    def _record(self, seq: Sequence, reason: str, error: str | None, now: float) -> RequestRecord:
-        seq.finish_reason, seq.error, seq.finished_s = reason, error, now
+    def _record(self, seq: Sequence) -> RequestRecord:
         record = RequestRecord(
             request_id=seq.request.request_id,
-            priority=seq.priority,
+            priority=str(seq.priority),
             tag=seq.request.tag,
             arrival_s=seq.arrival_s,
             prompt_len=seq.prompt_len,
             output_ids=list(seq.output_ids),
             token_times=list(seq.token_times),
-            finish_reason=reason,
-            error=error,
-            finished_s=now,
+            finish_reason=None if seq.finish_reason is None else str(seq.finish_reason),
+            error=seq.error,
+            finished_s=seq.finished_s,
             n_prefill_chunks=seq.n_prefill_chunks,
         )
         self.trace.add_request(record)
         return record
 
-    def _record_step(
-        self, step: PlannedStep, result, t0: float, t1: float, observed: float | None, governor: str | None = None
-    ) -> None:
-        unreachable = self.policy.target_unreachable
-        if unreachable:
+    def _on_step(self, rec: StepRecord) -> None:
+        if rec.unreachable:
             self.trace.note(_unreachable_note(self.policy))
-        rec = StepRecord(
-            t0=t0,
-            t1=t1,
-            duration_s=result.duration_s,
-            n_decode=step.plan.n_decode,
-            n_prefill_fg=step.n_prefill_fg,
-            n_prefill_bg=step.n_prefill_bg,
-            guarded=step.guarded,
-            cap=step.cap,
-            bg_cap=step.bg_cap,
-            observed_s=observed,
-            unreachable=unreachable,
-            device_duration_s=result.device_duration_s,
-            governor=governor,
-        )
         self.trace.add_step(rec)
         for hook in self.step_hooks:
             hook(rec)
 
 
+def _safe_deliver(handle: RequestHandle, ev: TokenEvent) -> None:
+    """The final event: a callback that raises now cannot fail the request twice."""
+    try:
+        handle._deliver(ev)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("final event callback of %s raised %s", handle.request_id, exc)
+
+
 def _seed_for(request: Request, base: int) -> int:
+    """The request's generator seed. Any integer a client sends (OpenAI allows negative
+    seeds) maps to a valid one; without a seed, one derived from the request id."""
     if request.sampling.seed is not None:
-        return request.sampling.seed
+        return int(request.sampling.seed) % 2**64
     return (base * 1_000_003 + zlib.crc32(request.request_id.encode())) & 0xFFFFFFFF
 
 

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Callable
 
 from dlfp.backends.protocol import Backend
-from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
+from dlfp.assembly import build_engine
+from dlfp.controller import PrefillPolicy, params_to_dict, parse_policy
 from dlfp.devices.energy import energy_report
-from dlfp.devices.governor import ThermalGovernor
 from dlfp.devices.profiles import DeviceProfile
-from dlfp.devices.sampler import ProbeSampler
-from dlfp.engine import Engine, EngineConfig, InvalidRequest
+from dlfp.engine import Engine, InvalidRequest
 from dlfp.metrics import itls, percentile, ttft
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import RequestRecord, Trace
@@ -64,19 +63,16 @@ def run_session(
     with_background: bool = True,
     on_progress: Callable[[], None] | None = None,
 ) -> Session:
-    engine = Engine(backend, policy, EngineConfig.for_policy(policy, settings.profile))
-    with ProbeSampler(engine.trace, period_s=settings.probe_period_s) as sampler:
-        if not isinstance(policy, Unbounded):  # the baseline is llama.cpp's server: no governor
-            # Background prefill yields to heat, throttling and a low battery; the foreground never does.
-            engine.background_gate = ThermalGovernor.for_profile(settings.profile, source=sampler.latest)
-        engine.start()
-        start = engine.clock()
+    engine = build_engine(backend, policy, settings.profile, probe_period_s=settings.probe_period_s)
+    start = engine.clock()
+    try:
         bg = _ingest(engine, backend, settings, with_background, on_progress)
         time.sleep(settings.fg_start_s)
         _chat(engine, backend, settings.script, on_progress)
         for h in bg:
             h.result()
         end = engine.clock()
+    finally:
         engine.shutdown(abort_pending=False)
     return Session(label, engine.trace, start, end, list(engine.trace.requests))
 
@@ -193,7 +189,7 @@ def run_laptop(backend: Backend, settings: LaptopSettings, on_progress=None, on_
         "backend": backend.describe(),
         "profile": settings.profile.name,
         "itl_target_ms": settings.itl_target_ms,
-        "controller": params.__dict__ | {"target_s": params.target_s},
+        "controller": params_to_dict(params),
         "decode_only_itl_ms": _ms(percentile([g for r in decode_only.records for g in itls(r)], 50)),
         "exact_output_match": match,
         "mismatches": mismatches,

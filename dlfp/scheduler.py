@@ -16,10 +16,12 @@ How many prompt tokens join:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from dlfp.backends.protocol import Capabilities, DecodeItem, PrefillChunk, StepPlan
-from dlfp.sequence import BACKGROUND, FOREGROUND, Sequence, Status
+from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
+from dlfp.trace import is_capped
 
 
 @dataclass
@@ -33,18 +35,30 @@ class PlannedStep:
 
     @property
     def capped(self) -> bool:
-        """The policy's cap governed this step's prefill: the step the controller observes."""
-        return self.guarded and self.plan.n_prefill > 0
+        return is_capped(self.guarded, self.cap, self.plan.n_prefill)
 
-    @property
-    def budgeted(self) -> bool:
-        """The preemption budget governed this step: isolated background prefill."""
-        return not self.guarded and self.n_prefill_bg > 0 and self.bg_cap is not None
+    def sampled_slots(self) -> list[int]:
+        """Slots that get a token from this step: every decode, and prompts that complete."""
+        return [d.seq_id for d in self.plan.decodes] + [c.seq_id for c in self.plan.prefills if c.wants_logits]
+
+
+@dataclass
+class StepUpdate:
+    """What one step did to its sequences (the engine turns it into events)."""
+
+    tokens: list[tuple[Sequence, int]] = field(default_factory=list)  # tokens appended, in step order
+    finished: list[Sequence] = field(default_factory=list)  # ended by this step (stop or length)
 
 
 class Scheduler:
-    def __init__(self, caps: Capabilities, protect: tuple[str, ...] = (FOREGROUND,)):
+    def __init__(
+        self,
+        caps: Capabilities,
+        protect: tuple[str, ...] = (FOREGROUND,),
+        is_eos: Callable[[int], bool] = lambda token: False,
+    ):
         self.caps = caps
+        self.is_eos = is_eos
         self.protect = protect  # classes whose decodes the cap guards
         self.waiting: dict[str, deque[Sequence]] = {FOREGROUND: deque(), BACKGROUND: deque()}
         self.running: list[Sequence] = []  # holds a slot, in admission order
@@ -81,13 +95,61 @@ class Scheduler:
             return 0
         return self.fg_reserved_slots
 
-    def release(self, seq: Sequence) -> None:
-        """Take a finished sequence out; its slot goes back to the pool."""
+    def finish(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None) -> bool:
+        """End a sequence; its slot goes back to the pool. False if it had already ended.
+
+        Returns True; the caller frees the backend's cache for `seq.slot` if the
+        sequence held one (`seq.slot is not None` and it was running).
+        """
+        if seq.status == Status.FINISHED:
+            return False
         if seq in self.running:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
         else:
             self.waiting[seq.priority] = deque(s for s in self.waiting[seq.priority] if s is not seq)
+            seq.slot = None
+        seq.status = Status.FINISHED
+        seq.finish_reason, seq.error, seq.finished_s = reason, error, now
+        return True
+
+    # -- after a step ------------------------------------------------------
+    def update(self, step: "PlannedStep", tokens: dict[int, int], now: float) -> StepUpdate:
+        """Apply a completed step: advance prompts, append sampled tokens, end what is done.
+
+        `tokens` maps slot -> sampled token for the slots that got one (a slot whose
+        sampling failed is absent; the engine has already ended it).
+        """
+        by_slot = {s.slot: s for s in self.running}
+        for chunk in step.plan.prefills:
+            seq = by_slot.get(chunk.seq_id)
+            if seq is not None:  # absent: ended during this step (its sampling failed)
+                seq.n_prefilled = chunk.end
+                seq.n_prefill_chunks += 1
+        out = StepUpdate()
+        for slot in step.sampled_slots():
+            seq = by_slot.get(slot)
+            if seq is None or seq.status == Status.FINISHED or slot not in tokens:
+                continue
+            token = tokens[slot]
+            seq.status = Status.DECODING
+            seq.output_ids.append(token)
+            seq.token_times.append(now)
+            out.tokens.append((seq, token))
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason, now)
+                out.finished.append(seq)
+        return out
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if not seq.request.ignore_eos and self.is_eos(token):
+            return FinishReason.STOP
+        if len(seq.output_ids) >= seq.request.max_tokens:
+            return FinishReason.LENGTH
+        if seq.next_position + 1 >= self.caps.context_per_sequence:
+            return FinishReason.LENGTH  # the context is full: no room for the next token
+        return None
 
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status == Status.DECODING]

@@ -5,9 +5,27 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-FOREGROUND = "foreground"
-BACKGROUND = "background"
-PRIORITIES = (FOREGROUND, BACKGROUND)
+
+
+class Priority(enum.StrEnum):
+    """A request's class. Strings on the wire and in traces ("foreground"), enums in code."""
+
+    FOREGROUND = "foreground"  # a person waits on every token: its decodes are guarded
+    BACKGROUND = "background"  # throughput work: its prefill yields to the foreground
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, as OpenAI's API and the trace spell it."""
+
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens reached, or the context is full
+    ABORT = "abort"  # cancelled by the caller, a disconnect or a shutdown
+    ERROR = "error"  # refused or failed; the record carries the message
+
+
+FOREGROUND = Priority.FOREGROUND
+BACKGROUND = Priority.BACKGROUND
+PRIORITIES = tuple(Priority)
 
 _ids = itertools.count()
 
@@ -42,7 +60,7 @@ class Request:
     def validate(self, vocab_size: int, context: int) -> None:
         """Raise ValueError with a message a user can act on."""
         if self.priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
+            raise ValueError(f"priority must be one of {[str(p) for p in PRIORITIES]}, got {self.priority!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.prompt_ids:
@@ -74,7 +92,7 @@ class Sequence:
     n_prefill_chunks: int = 0
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # stop, length, abort, error
+    finish_reason: FinishReason | None = None
     error: str | None = None
     finished_s: float | None = None
 

@@ -11,6 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+def is_capped(guarded: bool, cap: int | None, n_prefill: int) -> bool:
+    """The policy's cap governed a step: a protected sequence decoded, a cap was in
+    force and prompt tokens joined. The steps a policy observes; decided here only."""
+    return guarded and cap is not None and n_prefill > 0
+
+
 @dataclass
 class StepRecord:
     t0: float
@@ -26,6 +32,10 @@ class StepRecord:
     unreachable: bool = False
     device_duration_s: float | None = None
     governor: str | None = None  # thermal governor decision, when one runs
+
+    @property
+    def capped(self) -> bool:
+        return is_capped(self.guarded, self.cap, self.n_prefill_fg + self.n_prefill_bg)
 
 
 @dataclass

@@ -184,11 +184,12 @@ def test_bad_inputs_give_one_line(tiny_gguf, tmp_path):
 
 
 def test_overhead_against_llama_cpp_python(tiny_gguf):
+    from dlfp.backends.protocol import Limits
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
     from dlfp.bench.overhead import measure_overhead
     from dlfp.devices.profiles import load_profile
 
-    backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), n_ctx=2048, n_seq_max=4, n_batch=128, n_threads=1))
+    backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(4, 512, 128), n_threads=1))
     try:
         out = measure_overhead(backend, load_profile("cpu-laptop"), prompt_len=24, n_tokens=16, repeats=1)
     finally:

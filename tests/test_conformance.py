@@ -16,10 +16,11 @@ def _llamacpp(tmp):
     pytest.importorskip("llama_cpp")
     from tiny_gguf import CHATML, write_tiny_gguf
 
+    from dlfp.backends.protocol import Limits
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
 
     path = write_tiny_gguf(tmp / "conf.gguf", vocab=512, chat_template=CHATML)
-    return LlamaCppBackend(LlamaCppConfig(str(path), n_ctx=2048, n_seq_max=4, n_batch=128, n_threads=1))
+    return LlamaCppBackend(LlamaCppConfig(str(path), limits=Limits(4, 512, 128), n_threads=1))
 
 
 def _executorch(tmp, multi_sequence=True):

@@ -38,7 +38,7 @@ def test_dlfp_holds_foreground_itl_near_target():
     worst_unbounded = max(itls(unb["fg"]))
     worst_dlfp = max(itls(dl["fg"]))
     assert worst_dlfp < worst_unbounded
-    capped = [s for s in engine.trace.steps if s.guarded and (s.n_prefill_bg or s.n_prefill_fg)]
+    capped = [s for s in engine.trace.steps if s.capped]
     assert capped and all(s.n_prefill_bg + s.n_prefill_fg <= s.cap for s in capped)
     # After the first adjustments, capped steps stay within 1.25x of the target.
     assert all(s.duration_s <= 0.125 for s in capped[3:])
@@ -115,11 +115,12 @@ def test_sampling_with_temperature_is_seeded():
     assert a == b
 
 
-def test_a_crashing_runtime_fails_every_request_instead_of_hanging():
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on():
     clock = VirtualClock()
     backend = SimBackend(clock=clock)
     engine = Engine(backend, Unbounded(), clock=clock.now)
     handles = [engine.submit(Request([1, 2, 3], 50, ignore_eos=True)) for _ in range(3)]
+    real_step = backend.step
 
     def broken(plan):
         raise RuntimeError("device lost")
@@ -129,5 +130,63 @@ def test_a_crashing_runtime_fails_every_request_instead_of_hanging():
     records = [h.result(timeout=10) for h in handles]
     assert all(r.finish_reason == "error" and "device lost" in r.error for r in records)
     assert len(engine.trace.requests) == 3
-    with pytest.raises(InvalidRequest, match="stopped"):
+    backend.step = real_step  # the runtime recovered: the engine serves again
+    ok = engine.submit(Request([1, 2, 3], 5, ignore_eos=True)).result(timeout=10)
+    assert ok.ok and len(ok.output_ids) == 5 and engine.failure is None and engine.running
+    engine.shutdown()
+
+
+def test_an_engine_that_cannot_step_says_so_and_refuses_new_requests():
+    from dlfp.engine import MAX_LOOP_FAILURES, EngineStopped
+
+    clock = VirtualClock()
+    engine = Engine(SimBackend(clock=clock), Unbounded(), clock=clock.now)
+    calls = []
+
+    def broken_plan(*a, **kw):  # a failure no request can be blamed for (not the backend's)
+        calls.append(1)
+        raise RuntimeError("planner bug")
+
+    engine.scheduler.plan = broken_plan
+    handle = engine.submit(Request([1, 2, 3], 5))
+    engine.start()
+    record = handle.result(timeout=10)
+    assert record.finish_reason == "error" and "planner bug" in record.error
+    for _ in range(MAX_LOOP_FAILURES):  # each fails alone until the failures in a row reach the limit
+        try:
+            engine.submit(Request([4, 5], 5)).result(timeout=10)
+        except EngineStopped:
+            break
+    engine._thread.join(timeout=10)
+    assert engine.failure and "planner bug" in engine.failure and not engine.running
+    assert len(calls) >= MAX_LOOP_FAILURES
+    with pytest.raises(EngineStopped, match="planner bug"):
         engine.submit(Request([1, 2, 3], 5))
+    assert all(r.error for r in engine.trace.requests)  # every request ended with a recorded error
+
+
+def test_one_requests_callback_or_seed_cannot_stop_the_engine():
+    clock = VirtualClock()
+    engine = Engine(SimBackend(clock=clock), Unbounded(), clock=clock.now).start()
+
+    def bad_callback(ev):
+        raise KeyError("client went away")
+
+    bad = engine.submit(Request([1, 2, 3], 5, ignore_eos=True), on_event=bad_callback)
+    neg = engine.submit(Request([1, 2], 4, sampling=SamplingParams(temperature=0.7, seed=-1), ignore_eos=True))
+    good = engine.submit(Request([1, 2, 3], 5, ignore_eos=True))
+    assert "callback" in bad.result(timeout=10).error
+    assert neg.result(timeout=10).ok and good.result(timeout=10).ok
+    assert engine.failure is None and not engine._handles and not engine._seqs  # nothing left behind
+    engine.shutdown()
+
+
+def test_finished_requests_leave_nothing_behind():
+    clock = VirtualClock()
+    engine = Engine(SimBackend(clock=clock), Unbounded(), clock=clock.now).start()
+    events = []
+    for i in range(50):
+        engine.submit(Request([1, 2, 3], 3, ignore_eos=True), on_event=events.append).result(timeout=10)
+    assert not engine._handles and not engine._seqs and not engine._rngs
+    assert sum(1 for e in events if e.finish_reason) == 50
+    engine.shutdown()

@@ -4,7 +4,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig, ModelLoadError  # noqa: E402
-from dlfp.backends.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.backends.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
 from dlfp.controller import FixedCap, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig, InvalidRequest  # noqa: E402
 from dlfp.sequence import BACKGROUND, Request  # noqa: E402
@@ -12,7 +12,7 @@ from dlfp.sequence import BACKGROUND, Request  # noqa: E402
 
 @pytest.fixture(scope="module")
 def backend(tiny_gguf):
-    b = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), n_ctx=2048, n_seq_max=4, n_batch=128, n_threads=1))
+    b = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(4, 512, 128), n_threads=1))
     yield b
     b.close()
 
@@ -81,7 +81,7 @@ def test_freed_slot_starts_clean(backend):
 
 
 def test_oversized_batch_is_refused_not_aborted(backend):
-    with pytest.raises(BackendError, match="n_batch"):
+    with pytest.raises(BackendError, match="max_batch_tokens"):
         backend.step(StepPlan(prefills=[PrefillChunk(0, list(range(3, 300)), 0, True)]))
     with pytest.raises(BackendError, match="context"):
         backend.step(StepPlan(decodes=[DecodeItem(0, 5, 600)]))
@@ -99,7 +99,7 @@ def test_engine_refuses_prompt_longer_than_context(backend):
 
 
 def test_generation_stops_at_context_end(tiny_gguf):
-    b = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), n_ctx=128, n_seq_max=2, n_batch=64, n_threads=1))
+    b = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(2, 64, 64), n_threads=1))
     engine = Engine(b, Unbounded()).start()
     r = engine.submit(Request(list(range(3, 50)), 5000, ignore_eos=True)).result(timeout=60)
     engine.shutdown()

@@ -173,12 +173,12 @@ def test_engine_outputs_identical_under_unbounded_and_dlfp(backend):
 
 
 def test_registry_loads_step_mode_from_the_profile(tiny_mlc):
-    from dlfp.backends.registry import load_backend
+    from dlfp.targets import load_backend
     from dlfp.devices.profiles import load_profile
 
     b = load_backend("mlc", str(tiny_mlc), load_profile("cpu-laptop"), n_threads=1)
     prof = load_profile("cpu-laptop")
-    assert b.capabilities.max_sequences == prof.n_seq_max and b.capabilities.max_batch_tokens == prof.n_batch
+    assert b.capabilities.max_sequences == prof.max_sequences and b.capabilities.max_batch_tokens == prof.max_batch_tokens
     with pytest.raises(ValueError, match="needs --model"):
         load_backend("mlc", None, prof)
 

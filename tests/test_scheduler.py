@@ -1,6 +1,6 @@
 from dlfp.backends.protocol import TIMING_SYNC_WALL, Capabilities
 from dlfp.scheduler import Scheduler
-from dlfp.sequence import BACKGROUND, FOREGROUND, Request, Sequence, Status
+from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Request, Sequence, Status
 
 
 def caps(multi=True, n_batch=64, slots=4):
@@ -58,7 +58,7 @@ def test_isolated_background_prefill_uses_preemption_budget():
     sched = Scheduler(caps(n_batch=64))
     admitted(sched, seq(200, BACKGROUND))
     step = sched.plan(cap=None, bg_cap=20)
-    assert step.plan.n_prefill == 20 and step.budgeted
+    assert step.plan.n_prefill == 20 and step.n_prefill_bg == 20 and not step.guarded and step.bg_cap == 20
     assert sched.plan(cap=None, bg_cap=None).plan.n_prefill == 64  # unbounded: whole batch
 
 
@@ -96,10 +96,10 @@ def test_admission_respects_slots_and_priority():
     f1 = seq(5)
     sched.add(f1)
     assert sched.admit() == [f1]  # a new chat message finds its slot at once
-    sched.release(b1)
+    sched.finish(b1, FinishReason.STOP, 0.0)
     assert sched.admit() == [b3]  # beside a running foreground, background may use the rest
-    sched.release(f1)
-    sched.release(b2)
+    sched.finish(f1, FinishReason.STOP, 0.0)
+    sched.finish(b2, FinishReason.STOP, 0.0)
     assert sched.admit() == [b4]
     assert len(sched.free_slots) == 1 and b4.status == Status.PREFILLING
 
@@ -124,3 +124,25 @@ def test_time_slicing_for_single_sequence_backends():
         kinds.append("d" if step.plan.decodes else "p")
         assert step.plan.n_prefill <= 6
     assert set(kinds) == {"d", "p"}
+
+
+def test_update_advances_prompts_appends_tokens_and_finishes():
+    """The scheduler owns a sequence's life after a step too (nano-vllm's postprocess)."""
+    sched = Scheduler(caps(n_batch=64), is_eos=lambda t: t == 99)
+    dec, long_bg, short_fg = admitted(sched, seq(4, decoding=True), seq(100, BACKGROUND), seq(3))
+    dec.request.max_tokens = 2
+    step = sched.plan(cap=None, bg_cap=None)
+    slots = {s.slot: s for s in (dec, long_bg, short_fg)}
+    tokens = {slot: 7 for slot in step.sampled_slots()}
+    assert set(tokens) == {dec.slot, short_fg.slot}  # the long prompt is not done: no token yet
+    out = sched.update(step, tokens, now=1.0)
+    assert [(s, t) for s, t in out.tokens] == [(dec, 7), (short_fg, 7)]
+    assert out.finished == [dec] and dec.finish_reason == FinishReason.LENGTH and dec.status == Status.FINISHED
+    assert dec not in sched.running and dec.slot in sched.free_slots
+    assert short_fg.status == Status.DECODING and short_fg.token_times == [1.0]
+    assert long_bg.n_prefilled == 64 - 1 - 3 and long_bg.n_prefill_chunks == 1
+    step = sched.plan(cap=None, bg_cap=None)
+    out = sched.update(step, {short_fg.slot: 99}, now=2.0)  # end of generation
+    assert short_fg in out.finished and short_fg.finish_reason == FinishReason.STOP
+    assert slots  # slots were distinct
+    assert sched.finish(short_fg, FinishReason.ABORT, 3.0) is False  # already ended: nothing changes

@@ -305,8 +305,8 @@ def test_cadence_and_completion_differ_under_async(model_dir):
         fed = []
         pol = core.sched.dlfp_policy
         real = pol.observe
-        pol.observe = lambda latency, cap=None, pol=pol, fed=fed, real=real: (
-            fed.append((latency, cap, pol.cap())), real(latency, cap))
+        pol.observe = lambda latency, cap=None, shape=None, pol=pol, fed=fed, real=real: (
+            fed.append((latency, cap, pol.cap())), real(latency, cap, shape))
         core.sched.add_request(request("chat", 16, 30))
         core.sched.add_request(request("doc", 16000, 2))  # first step: chat prompt + a long isolated chunk
         core.run(until=lambda c: len(fed) >= 6)

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 def from_profile(model_path: str | None, profile, n_threads: int | None = None):
     """The registry's factory: step mode, sized from the device profile."""
+    from dlfp.backends.protocol import ModelLoadError
+
     if model_path is None:
-        raise ValueError("the mlc backend needs --model DIR (build a tiny one: python -m dlfp.backends.mlc.build_tiny DIR)")
+        raise ModelLoadError("the mlc backend needs --model DIR (build a tiny one: python -m dlfp.backends.mlc.build_tiny DIR)")
     from dlfp.backends.mlc.step import MLCStepBackend, StepConfig
 
     return MLCStepBackend(
         StepConfig(
             model_dir=str(model_path),
-            max_sequences=profile.n_seq_max,
-            context=profile.n_ctx,
-            prefill_chunk_size=profile.n_batch,
+            max_sequences=profile.max_sequences,
+            context=profile.context_per_sequence,
+            prefill_chunk_size=profile.max_batch_tokens,
             n_threads=n_threads,
         )
     )

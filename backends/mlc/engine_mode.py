@@ -186,8 +186,8 @@ class MLCEngineTarget:
             multi_sequence=True,
             per_step_chunking=False,  # prefill_chunk_size is fixed when the engine loads
             timing=TIMING_ENGINE,
-            max_sequences=profile.n_seq_max,
-            context_per_sequence=profile.n_ctx,
+            max_sequences=profile.max_sequences,
+            context_per_sequence=profile.context_per_sequence,
             max_batch_tokens=prefill_chunk_size,
             vocab_size=0,  # unknown without MLC's tokenizer; the engine validates ids itself
         )
@@ -208,7 +208,7 @@ class MLCEngineTarget:
     # -- RunTarget ---------------------------------------------------------
     def open(self, policy: str) -> None:
         self._reset()
-        bg_limit = max(1, self.profile.n_seq_max - 1)  # one sequence stays free for the foreground
+        bg_limit = max(1, self.profile.max_sequences - 1)  # one sequence stays free for the foreground
         if policy == "unbounded":
             self.admission = BackgroundAdmission(None, bg_limit)
         elif policy == "dlfp":
@@ -356,12 +356,12 @@ def make_target(model: str | None, profile, itl_target_ms: float | None = None, 
     mlc_llm = import_mlc()
     if model is None:
         raise ValueError("mlc engine mode needs --model (an MLC model folder or HF://mlc-ai/... id)")
-    chunk = prefill_chunk_size or profile.n_batch
+    chunk = prefill_chunk_size or profile.max_batch_tokens
     from mlc_llm.serve import EngineConfig
 
     config = EngineConfig(
-        max_num_sequence=profile.n_seq_max,
-        max_total_sequence_length=profile.n_ctx,
+        max_num_sequence=profile.max_sequences,
+        max_total_sequence_length=profile.context_per_sequence,
         prefill_chunk_size=chunk,  # fixed for the engine's life: why this mode has no per-step lever
     )
     engine = mlc_llm.AsyncMLCEngine(model, device=device, mode="server", engine_config=config)

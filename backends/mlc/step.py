@@ -27,8 +27,10 @@ from dlfp.backends.protocol import (
     Backend,
     BackendError,
     Capabilities,
+    ModelLoadError,
     StepPlan,
     StepResult,
+    validate_plan,
 )
 
 KV_FUNCS = ("add_sequence", "remove_sequence", "begin_forward", "end_forward", "popn")
@@ -84,7 +86,7 @@ class MLCStepBackend(Backend):
         self.folder = ModelFolder.open(config.model_dir)
         cfg = self.folder.config
         if cfg["target"] != "llvm":
-            raise ValueError(f"model folder targets {cfg['target']!r}; this adapter runs CPU (llvm) builds")
+            raise ModelLoadError(f"model folder targets {cfg['target']!r}; this adapter runs CPU (llvm) builds")
         if config.n_threads is not None and config.n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {config.n_threads}")
         if config.n_threads is not None:
@@ -96,7 +98,7 @@ class MLCStepBackend(Backend):
             self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.folder.lib_path)), self.device)
             loaded = tvm.runtime.load_param_dict_from_file(str(self.folder.params_path))
         except Exception as exc:  # TVM raises its own error types for a bad library
-            raise ValueError(f"could not load the compiled model in {self.folder.path}: {exc}") from None
+            raise ModelLoadError(f"could not load the compiled model in {self.folder.path}: {exc}") from None
         self._params = [loaded[n] for n in cfg["param_names"]]
         self._fn = {n: self._function(n) for n in ("embed", "batch_prefill", "batch_decode")}
         self._kv_fn = {n: tvm.get_global_func(f"vm.builtin.kv_state_{n}") for n in KV_FUNCS}
@@ -120,7 +122,7 @@ class MLCStepBackend(Backend):
         try:
             return self._vm[name]
         except (AttributeError, KeyError, RuntimeError):
-            raise ValueError(f"compiled model in {self.folder.path} has no function {name!r}") from None
+            raise ModelLoadError(f"compiled model in {self.folder.path} has no function {name!r}") from None
 
     def _create_kv(self, context: int):
         shape = self._tvm.runtime.ShapeTuple
@@ -132,11 +134,11 @@ class MLCStepBackend(Backend):
                     shape([c.max_sequences]), shape([c.max_sequences * context]),
                     shape([c.prefill_chunk_size]), shape([c.page_size]), shape([0]),
                 )
-        raise ValueError(f"compiled model in {self.folder.path} has none of {CREATE_KV}")
+        raise ModelLoadError(f"compiled model in {self.folder.path} has none of {CREATE_KV}")
 
     # -- stepping ----------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
-        self._check(plan)
+        validate_plan(plan, self.capabilities)
         self._configure_threads()
         lay = layout(plan)
         for seq_id, start in [(d.seq_id, d.position) for d in plan.decodes] + [(c.seq_id, c.start) for c in plan.prefills]:
@@ -169,30 +171,6 @@ class MLCStepBackend(Backend):
         view = embeds._create_view((n, 1, self.hidden))
         out, self._kv = self._fn["batch_decode"](view, self._kv, self._params)
         return out.numpy()[:, 0]
-
-    def _check(self, plan: StepPlan) -> None:
-        caps = self.capabilities
-        if plan.is_empty():
-            raise BackendError("empty step plan")
-        if plan.n_tokens > caps.max_batch_tokens:
-            raise BackendError(f"step of {plan.n_tokens} tokens exceeds prefill_chunk_size={caps.max_batch_tokens}")
-        seqs = [d.seq_id for d in plan.decodes] + [c.seq_id for c in plan.prefills]
-        if len(set(seqs)) != len(seqs):
-            raise BackendError(f"a sequence appears twice in one step: {seqs}")
-        for s in seqs:
-            if not 0 <= s < caps.max_sequences:
-                raise BackendError(f"sequence slot {s} is outside 0..{caps.max_sequences - 1}")
-        for c in plan.prefills:
-            if not c.token_ids:
-                raise BackendError(f"empty prefill chunk for sequence {c.seq_id}")
-            if c.end > caps.context_per_sequence:
-                raise BackendError(f"sequence {c.seq_id} would pass the context of {caps.context_per_sequence}")
-        for d in plan.decodes:
-            if d.position >= caps.context_per_sequence:
-                raise BackendError(f"sequence {d.seq_id} is at the end of its context")
-        bad = [t for t in plan_tokens(plan) if not 0 <= t < caps.vocab_size]
-        if bad:
-            raise BackendError(f"token id {bad[0]} is outside the vocabulary (size {caps.vocab_size})")
 
     def _rewind(self, seq_id: int, start: int) -> None:
         """Make the cache hold exactly `start` positions of `seq_id` before the step appends."""
@@ -252,8 +230,3 @@ class MLCStepBackend(Backend):
     def close(self) -> None:
         self._kv = None
         self._vm = None
-
-
-def plan_tokens(plan: StepPlan) -> list[int]:
-    return [d.token_id for d in plan.decodes] + [t for c in plan.prefills for t in c.token_ids]
-

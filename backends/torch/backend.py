@@ -275,7 +275,8 @@ def from_profile(model_path: str | None, profile, n_threads: int | None = None, 
     cfg = ModelConfig.load(spec)
     p = Path(spec)
     folder = p if p.is_dir() else p.parent if p.is_file() else None
+    lim = profile.limits
     return TorchBackend(
-        cfg, folder, n_seq=profile.n_seq_max, n_ctx=profile.n_ctx, n_batch=profile.n_batch,
+        cfg, folder, n_seq=lim.max_sequences, n_ctx=lim.context_per_sequence, n_batch=lim.max_batch_tokens,
         device=device or os.environ.get(DEVICE_ENV) or None, dtype=dtype or os.environ.get(DTYPE_ENV) or None,
         seed=int(seed if seed is not None else os.environ.get(SEED_ENV) or 0), n_threads=n_threads)

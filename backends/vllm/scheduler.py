@@ -27,7 +27,7 @@ see, so the policy would reset and those steps get the full budget.
 `long_prefill_token_threshold` and the encoder budget are left as configured: the
 step budget alone bounds the total.
 
-Observation and the async lag: see `observer.py`. Under async scheduling an
+Observation and the async lag: see `dlfp/observer.py` (the same observer the owned-loop engine uses). Under async scheduling an
 observation reaches the cap of the step after next at the earliest; each step is
 stamped with the cap it ran with and the policy scales that cap.
 """
@@ -48,8 +48,9 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from dlfp.backends.vllm.observer import StepObserver  # noqa: E402
+from dlfp.observer import StepObserver, plan_shape  # noqa: E402
 from dlfp.backends.vllm.settings import settings_from  # noqa: E402
+from dlfp.controller import StepShape  # noqa: E402
 from dlfp.trace import StepRecord  # noqa: E402
 
 
@@ -89,8 +90,7 @@ class _DLFPMixin:
             out = super().schedule(*args, **kwargs)
         else:
             out = self._capped_schedule(sum(decodes.values()) + cap, decodes, args, kwargs)
-        n_decode = sum(out.num_scheduled_tokens.get(rid, 0) for rid in decodes)
-        self.dlfp.scheduled(id(out), bool(decodes), cap, n_decode, out.total_num_scheduled_tokens - n_decode)
+        self.dlfp.scheduled(id(out), bool(decodes), cap, self._shape(out, decodes))
         self._stamped[id(out)] = out
         return out
 
@@ -133,6 +133,19 @@ class _DLFPMixin:
         rank = {id(r): i for i, r in enumerate(order)}
         kept = sorted((r for r in self.running if id(r) in rank), key=lambda r: rank[id(r)])
         self.running[:] = kept + [r for r in self.running if id(r) not in rank]
+
+    def _shape(self, out: SchedulerOutput, decodes: dict[str, int]) -> "StepShape":
+        """What the step carries. vLLM has already advanced `num_computed_tokens` past the
+        scheduled tokens, so a request's first scheduled position is computed - scheduled."""
+        decode_positions, chunks = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            start = max(0, req.num_computed_tokens - n) if req is not None else 0
+            if rid in decodes:
+                decode_positions += [start + i for i in range(n)]  # 1 + speculative tokens
+            else:
+                chunks.append((start, n))
+        return plan_shape(decode_positions, chunks)
 
     def _decode_tokens(self, r: Request) -> int:
         """Tokens vLLM will schedule for a decoding request this step (0: not decoding).

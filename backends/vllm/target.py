@@ -31,6 +31,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+from dlfp.assembly import is_stock
 from dlfp.backends.vllm.gpu import check_cuda_driver, check_exclusive, describe_gpus, energy_samples, used_gpus
 from dlfp.backends.vllm.settings import CONFIG_KEY, PluginSettings
 from dlfp.backends.vllm.version import SUPPORTED_VLLM
@@ -51,15 +52,15 @@ def engine_args(model: str, profile: DeviceProfile, settings: PluginSettings, *,
     args = {
         "model": model,
         "dtype": "bfloat16",
-        "max_model_len": profile.n_ctx,
-        "max_num_seqs": profile.n_seq_max,
-        "max_num_batched_tokens": profile.n_batch,
+        "max_model_len": profile.context_per_sequence,
+        "max_num_seqs": profile.max_sequences,
+        "max_num_batched_tokens": profile.max_batch_tokens,
         "enable_prefix_caching": False,
         "tensor_parallel_size": tensor_parallel_size,
         "async_scheduling": async_scheduling,
         "seed": 0,
     }
-    if settings.policy != "unbounded":  # unbounded: stock vLLM, no plug-in at all
+    if not is_stock(settings.policy):  # unbounded: stock vLLM, no plug-in at all
         cls = "DLFPAsyncScheduler" if async_scheduling else "DLFPScheduler"
         args["scheduler_cls"] = f"{SCHEDULER_MODULE}.{cls}"  # not in vLLM's compile hash
     return args | (extra or {})
@@ -67,7 +68,7 @@ def engine_args(model: str, profile: DeviceProfile, settings: PluginSettings, *,
 
 def plugin_env(settings: PluginSettings) -> dict[str, str]:
     """The DLFP_* variables that give the plug-in `settings` (read by settings_from in the engine core)."""
-    return {f"DLFP_{k.upper()}": str(v) for k, v in settings.as_config()[CONFIG_KEY].items()}
+    return {f"DLFP_{k.upper()}": str(v) for k, v in settings.as_config()[CONFIG_KEY].items() if v is not None}
 
 
 class _Environ:
@@ -165,7 +166,7 @@ class VllmTarget:
         self._thread = threading.Thread(target=self._loop.run_forever, name="dlfp-vllm-loop", daemon=True)
         self._thread.start()
         settings = self.settings(policy)
-        with _Environ(plugin_env(settings) if settings.policy != "unbounded" else {}):
+        with _Environ({} if is_stock(settings.policy) else plugin_env(settings)):
             self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self._vocab = self._engine.model_config.get_vocab_size()
         self._pending = []
@@ -243,7 +244,7 @@ class VllmTarget:
                                   tensor_parallel_size=self.tensor_parallel_size,
                                   async_scheduling=self.async_scheduling, extra=self.extra),
             "vocab_size": self._vocab or vocab_size(self.model),
-            "context_per_sequence": self.profile.n_ctx,
+            "context_per_sequence": self.profile.context_per_sequence,
         }
         try:
             desc["gpu"] = describe_gpus(self.nvml)

@@ -102,7 +102,7 @@ def _rate(steps: list[StepRecord] | None, keys: tuple[str, ...], windows: list[t
 
 def _step_stats(steps: list[StepRecord] | None) -> dict:
     steps = steps or []
-    capped = [s for s in steps if s.guarded and (s.n_prefill_fg or s.n_prefill_bg)]
+    capped = [s for s in steps if s.capped]
     return {
         "steps": len(steps),
         "capped_steps": len(capped),

@@ -28,7 +28,8 @@ def _split(spec: str | None) -> list[str] | None:
 @click.option("--burstiness", type=float, default=1.0, show_default=True, help="Gamma shape of arrival gaps (1: Poisson).")
 @click.option("--slo", default=None, help="Override the SLO: ttft=S,itl=MS,e2el=S.")
 @click.option("--out", type=click.Path(), default="runs/bench", show_default=True)
-@click.option("--backend", default="llamacpp", show_default=True, help="llamacpp, sim (SIMULATED), vllm, ...")
+@click.option("--backend", default="llamacpp", show_default=True,
+              help="llamacpp, executorch, mlc, sim (SIMULATED), vllm, mlc-engine (dlfp.targets)")
 @click.option("--model", default=None, help="Model file (default: the embedded SmolLM2-135M) or endpoint model name.")
 @click.option("--profile", default=None, help="Device profile name or TOML path [default: a100-paper for vllm, else cpu-laptop].")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
@@ -71,13 +72,17 @@ def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstin
         _run_overhead(args, prof)
         return
     if not args.endpoints:
-        _policy_list(",".join(args.policies + (args.sweep or [])), prof)
+        _policy_list(",".join(args.policies + (args.sweep or [])), prof, args.backend)
     _run_bench(args, prof)
 
 
 def _default_profile(backend: str) -> str:
-    # vLLM runs on a GPU: the paper's operating point, not a CPU laptop's.
-    return "a100-paper" if backend == "vllm" else "cpu-laptop"
+    from dlfp.targets import get_target
+
+    try:
+        return get_target(backend).default_profile  # vLLM: the paper's operating point
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _expand_sweep(spec: str | None) -> list[str] | None:

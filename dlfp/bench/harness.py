@@ -6,7 +6,6 @@ over the session (heat, other load) does not always favour the same arm.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -17,7 +16,9 @@ from dlfp.bench.analysis import output_agreement, trial_row
 from dlfp.bench.config import BenchArgs, build_config
 from dlfp.bench.paired import paired_table, sweep_summary
 from dlfp.bench.runner import Arm, run_trial
-from dlfp.bench.target import EngineTarget, make_external_target
+from dlfp.bench.target import EngineTarget
+from dlfp.controller import params_to_dict
+from dlfp.targets import OWNED_LOOP, TargetEntry, get_target
 from dlfp.workloads.schedule import build_schedule
 from dlfp.workloads.specs import Gate, WorkloadSpec, get_spec, parse_slo
 from dlfp.workloads.tokens import text_pool
@@ -85,22 +86,30 @@ def policy_names(args: BenchArgs) -> list[str]:
 
 
 def prepare(args: BenchArgs, open_backend: Callable, profile) -> Bench:
-    """Load the target(s) and check the workload fits them."""
+    """Load the target(s) and check the workload fits them.
+
+    `open_backend(name, model, profile, threads, kv_unified)` loads an owned-loop
+    backend (the CLI passes one that turns load failures into one line).
+    """
     spec = resolve_spec(args)
     itl_target = args.itl_target_ms if args.itl_target_ms is not None else profile.itl_target_ms
+    params = None
     if args.endpoints:
         arms = [Arm(label, _endpoint(label, url, args.model), label) for label, url in _endpoint_pairs(args)]
-        params = None
-    elif args.backend == "vllm":
-        target = _external("vllm", args, profile)
-        arms = [Arm(p, target, p) for p in policy_names(args)]
-        params = vars(profile.dlfp_params(args.itl_target_ms))
     else:
-        backend = _sim_backend(profile) if args.backend == "sim" else open_backend(
-            args.backend, args.model, profile, args.threads, args.kv_unified)
-        target = EngineTarget(backend, profile, args.itl_target_ms)
+        entry = _entry(args.backend)
+        for policy in policy_names(args):
+            try:
+                entry.check_policy(policy)
+            except ValueError as exc:
+                raise BenchError(str(exc)) from None
+        if entry.kind == OWNED_LOOP:
+            backend = open_backend(args.backend, args.model, profile, args.threads, args.kv_unified)
+            target = EngineTarget(backend, profile, args.itl_target_ms, args.probe_period_s)
+        else:
+            target = _external(entry, args, profile)
         arms = [Arm(p, target, p) for p in policy_names(args)]
-        params = vars(target.params)
+        params = params_to_dict(profile.dlfp_params(args.itl_target_ms))
     bench = Bench(args, spec, profile, arms, Path(args.out), itl_target, params)
     for arm in arms:
         _check_fits(spec, arm, args.vocab_size)
@@ -138,7 +147,7 @@ def run(bench: Bench, on_request: Callable[[], None] | None = None,
             if on_trial:
                 on_trial(f"seed {seed}: {arm.name}")
             try:
-                trial = run_trial(arm, schedule, k, on_request, bench.args.probe_period_s)
+                trial = run_trial(arm, schedule, k, on_request)
             except RuntimeError as exc:  # e.g. an external engine that fails to start
                 raise BenchError(f"{arm.name}: {exc}") from None
             paths = trial.trace.write(out, f"{seed}-{file_label(arm.name)}")
@@ -214,36 +223,19 @@ def _endpoint(label: str, url: str, model: str | None):
     return EndpointTarget(base_url=url, model=model, label=label)
 
 
-def _external(name: str, args: BenchArgs, profile):
+def _entry(name: str) -> TargetEntry:
     try:
-        factory_params = _factory_params(name)
-        options = {"itl_target_ms": args.itl_target_ms} if "itl_target_ms" in factory_params else {}
-        return make_external_target(name, args.model, profile, **options)
-    except ImportError as exc:
-        raise BenchError(f"backend {name!r} is not installed ({exc}); see README for its extra") from None
-    except (RuntimeError, ValueError) as exc:  # a busy GPU, no NVML, a bad setting: one line
-        raise BenchError(f"backend {name!r} cannot run here: {exc}") from None
+        return get_target(name)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
 
 
-def _factory_params(name: str) -> set[str]:
-    import importlib
-
-    from dlfp.bench.target import EXTERNAL_TARGETS
-
-    module, attr = EXTERNAL_TARGETS[name].split(":")
-    return set(inspect.signature(getattr(importlib.import_module(module), attr)).parameters)
-
-
-def _sim_backend(profile):
-    """The SIMULATED latency model, sleeping in real time (labelled simulated in every trace)."""
-    from dlfp.backends.sim import SimBackend
-
-    return SimBackend(
-        max_sequences=profile.n_seq_max,
-        context=profile.n_ctx // profile.n_seq_max,
-        max_batch_tokens=profile.n_batch,
-        sleep=True,
-    )
+def _external(entry: TargetEntry, args: BenchArgs, profile):
+    """An external engine's run target; what it lacks here (a GPU, MLC-LLM) is one line."""
+    try:
+        return entry.load(args.model, profile, itl_target_ms=args.itl_target_ms)
+    except (RuntimeError, ValueError, OSError) as exc:  # not installed, a busy GPU, no NVML, a bad setting
+        raise BenchError(f"backend {entry.name!r} cannot run here: {exc}") from None
 
 
 def _limits(target, vocab_size: int | None = None) -> tuple[int, int | None]:

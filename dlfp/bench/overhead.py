@@ -24,8 +24,7 @@ import time
 from typing import Callable
 
 from dlfp.backends.llamacpp import LlamaCppBackend
-from dlfp.controller import Unbounded, parse_policy
-from dlfp.engine import Engine, EngineConfig
+from dlfp.assembly import build_engine
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.workloads.tokens import make_prompts
 
@@ -42,7 +41,7 @@ def measure_overhead(
     prompt = make_prompts([prompt_len], caps.vocab_size, seed=0)[0]
     engine_rates, llama_rates, outputs = [], [], {}
     for _ in range(repeats):
-        rate, outputs["engine"] = _engine_decode(backend, prompt, n_tokens)
+        rate, outputs["engine"] = _engine_decode(backend, profile, prompt, n_tokens)
         engine_rates.append(rate)
         rate, outputs["llama"] = _llama_in_subprocess(backend, prompt, n_tokens)
         llama_rates.append(rate)
@@ -100,8 +99,8 @@ def _decode_rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def _engine_decode(backend, prompt: list[int], n_tokens: int) -> tuple[float, list[int]]:
-    engine = Engine(backend, Unbounded(), EngineConfig(preemption_budget_s=None)).start()
+def _engine_decode(backend, profile, prompt: list[int], n_tokens: int) -> tuple[float, list[int]]:
+    engine = build_engine(backend, "unbounded", profile, probe_period_s=None)
     try:
         record = engine.submit(Request(prompt, n_tokens, FOREGROUND, ignore_eos=True)).result(timeout=600)
     finally:
@@ -167,8 +166,7 @@ class _Stopwatch:
 
 def _control_share(backend, profile, itl_target_ms: float | None) -> dict:
     caps = backend.capabilities
-    policy = parse_policy("dlfp", profile.dlfp_params(itl_target_ms))
-    engine = Engine(backend, policy, EngineConfig.for_policy(policy, profile))
+    engine = build_engine(backend, "dlfp", profile, itl_target_ms=itl_target_ms, probe_period_s=None, start=False)
     watch = _Stopwatch()
     for obj, names in ((engine.scheduler, ("admit", "plan")), (engine.policy, ("cap", "observe", "reset"))):
         for name in names:
@@ -192,7 +190,7 @@ def _control_share(backend, profile, itl_target_ms: float | None) -> dict:
         bg = engine.submit(Request(bg_prompt, 4, BACKGROUND, ignore_eos=True, request_id="bg"))
         fg.result(timeout=600)
         bg.result(timeout=600)
-    capped = [s for s in engine.trace.steps if s.guarded and (s.n_prefill_bg or s.n_prefill_fg)]
+    capped = [s for s in engine.trace.steps if s.capped]
     return {
         "steps": len(shares),
         "capped_steps": len(capped),

@@ -48,12 +48,10 @@ def run_trial(
     schedule: Schedule,
     order: int = 0,
     on_done: Callable[[], None] | None = None,
-    probe_period_s: float | None = None,
 ) -> TrialRun:
     refused: dict[str, str] = {}
     t_start = time.perf_counter()
-    arm.target.open(arm.policy)
-    sampler = _start_sampler(arm.target, probe_period_s)
+    arm.target.open(arm.policy)  # an engine target samples probes itself (dlfp.assembly)
     try:
         for p in schedule.warmup:  # closed loop: one after another
             _wait(_submit(arm.target, p, refused))
@@ -61,8 +59,6 @@ def run_trial(
                 on_done()
         lag = _open_loop(arm.target, schedule.measured, refused, on_done)
     finally:
-        if sampler is not None:
-            sampler.stop()
         trace = arm.target.close()
     return TrialRun(schedule.seed, arm.name, order, trace, refused, lag, time.perf_counter() - t_start)
 
@@ -111,15 +107,3 @@ def _wait(handle) -> None:
         handle.result()
     except Exception as exc:  # noqa: BLE001 - the trace records the failure
         log.warning("request %s: %s", handle.request_id, exc)
-
-
-def _start_sampler(target: RunTarget, period_s: float | None):
-    """Probe readings into the engine's trace, where the target has one and probes are installed."""
-    trace = getattr(getattr(target, "engine", None), "trace", None)
-    if period_s is None or trace is None:
-        return None
-    try:
-        from dlfp.devices.sampler import ProbeSampler
-    except ImportError:
-        return None
-    return ProbeSampler(trace, period_s=period_s).start()

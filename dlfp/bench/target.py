@@ -7,13 +7,13 @@ the same three calls, so every kind lands in the same files and tables.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Protocol
 
+from dlfp.assembly import build_engine
 from dlfp.backends.protocol import Backend
-from dlfp.controller import parse_policy
+from dlfp.controller import params_to_dict
 from dlfp.devices.profiles import DeviceProfile
-from dlfp.engine import Engine, EngineConfig
+from dlfp.engine import Engine
 from dlfp.sequence import Request
 from dlfp.trace import RequestRecord, Trace
 
@@ -41,18 +41,21 @@ class RunTarget(Protocol):
 
 
 class EngineTarget:
-    """dlfp's own engine over an owned-loop backend (llama.cpp, ExecuTorch, MLC, sim)."""
+    """dlfp's own engine over an owned-loop backend (llama.cpp, ExecuTorch, MLC, torch, sim)."""
 
-    def __init__(self, backend: Backend, profile: DeviceProfile, itl_target_ms: float | None = None):
+    def __init__(self, backend: Backend, profile: DeviceProfile, itl_target_ms: float | None = None,
+                 probe_period_s: float | None = None):
         self.backend = backend
         self.profile = profile
+        self.itl_target_ms = itl_target_ms
         self.params = profile.dlfp_params(itl_target_ms)
+        self.probe_period_s = probe_period_s
         self.label = backend.name
         self.engine: Engine | None = None
 
     def open(self, policy: str) -> None:
-        pol = parse_policy(policy, self.params)
-        self.engine = Engine(self.backend, pol, EngineConfig.for_policy(pol, self.profile)).start()
+        self.engine = build_engine(self.backend, policy, self.profile, itl_target_ms=self.itl_target_ms,
+                                   probe_period_s=self.probe_period_s)
 
     def submit(self, request: Request):
         assert self.engine is not None, "open() first"
@@ -65,17 +68,4 @@ class EngineTarget:
         return trace
 
     def describe(self) -> dict:
-        return self.backend.describe() | {"profile": self.profile.name, "controller": vars(self.params)}
-
-
-# Targets that are not "dlfp engine over a backend": backend name -> "module:factory".
-# A factory takes (model, profile, **options) and returns a RunTarget.
-EXTERNAL_TARGETS = {
-    "vllm": "dlfp.backends.vllm.target:make_target",
-    "mlc-engine": "dlfp.backends.mlc.engine_mode:make_target",
-}
-
-
-def make_external_target(name: str, model: str | None, profile: DeviceProfile, **options) -> RunTarget:
-    module, attr = EXTERNAL_TARGETS[name].split(":")
-    return getattr(importlib.import_module(module), attr)(model, profile, **options)
+        return self.backend.describe() | {"profile": self.profile.name, "controller": params_to_dict(self.params)}

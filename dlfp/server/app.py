@@ -45,7 +45,7 @@ class ServerState:
 
     def _bound_trace(self, _rec) -> None:  # engine thread, the trace's only regular writer
         trace = self.engine.trace
-        for records in (trace.steps, trace.requests):
+        for records in (trace.steps, trace.requests, trace.samples):
             if len(records) > 2 * TRACE_KEEP:
                 del records[:-TRACE_KEEP]
 

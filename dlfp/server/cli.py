@@ -29,17 +29,15 @@ def serve(model, backend, profile, threads, policy, itl_target_ms, host, port, m
         from dlfp.server.runner import DrainingServer
     except ImportError as exc:
         raise UserError(f"{exc}: install the server extra (pip install 'dlfp[server]')") from None
-    from dlfp.controller import parse_policy
-    from dlfp.engine import Engine, EngineConfig
+    from dlfp.assembly import build_engine
+    from dlfp.cli import _policy_list
 
     prof = get_profile(profile)
-    try:
-        pol = parse_policy(policy, prof.dlfp_params(itl_target_ms))
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    _policy_list(policy, prof, backend)
     be = open_backend(backend, model, prof, threads, kv_unified)
     name = served_model_name or Path(str(be.describe().get("model_path", backend))).stem
-    engine = Engine(be, pol, EngineConfig.for_policy(pol, prof))
+    # The server starts the engine (ASGI lifespan); probes and the governor run with it.
+    engine = build_engine(be, policy, prof, itl_target_ms=itl_target_ms, start=False)
     server = DrainingServer(ServerState(engine, name, policy, max_queue), host, port, shutdown_grace)
     click.echo(f"dlfp serve: http://{host}:{port}/v1  model {name}  policy {policy}  profile {prof.name}", err=True)
     try:

@@ -41,6 +41,8 @@ class ServerMetrics:
               registry=r).set_function(lambda: load()["running"])
         Gauge("dlfp_free_sequence_slots", "Sequence slots (KV cache) free",
               registry=r).set_function(lambda: len(engine.scheduler.free_slots))
+        Gauge("dlfp_background_held", "1 while the thermal governor holds background prefill back",
+              registry=r).set_function(lambda: _held(engine))
         self.in_flight = Gauge("dlfp_requests_in_flight", "Requests accepted and not yet finished", registry=r)
         engine.step_hooks.append(self.on_step)
 
@@ -51,6 +53,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _held(engine: Engine) -> float:
+    governor = engine.background_gate
+    return 1.0 if getattr(governor, "reason", None) is not None else 0.0
 
 
 def _or_nan(value: float | None) -> float:

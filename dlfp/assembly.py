@@ -1,0 +1,84 @@
+"""One assembly: a running engine from (backend, policy, device profile, target, probes).
+
+Every entry point builds its engine here (`dlfp laptop`, `generate`, `serve`,
+`bench` and the conformance suite), so what a policy implies is decided once:
+
+- `unbounded` stands for the stock runtime (llama.cpp's server): whole pending
+  prompts up to the batch size, no preemption budget, no thermal governor; the
+  vLLM target runs stock vLLM for it, without the plug-in (`is_stock`).
+- every other policy gets the profile's preemption budget (isolated background
+  prefill is split so one step stays within it), and the thermal governor gating
+  background prefill whenever probes are sampled;
+- the observation source is the policy's own (`dlfp` completion, `dlfp-cadence`
+  the paper's proxy), applied by the one step observer.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from dlfp.backends.protocol import Backend
+from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
+from dlfp.devices.profiles import DeviceProfile
+from dlfp.engine import Engine, EngineConfig
+from dlfp.trace import Trace
+
+log = logging.getLogger("dlfp.assembly")
+
+STOCK_POLICY = "unbounded"
+
+
+def is_stock(policy: PrefillPolicy | str) -> bool:
+    """The stock runtime: no cap, no budget, no governor, no plug-in."""
+    return isinstance(policy, Unbounded) or (isinstance(policy, str) and policy.strip() == STOCK_POLICY)
+
+
+def make_policy(spec: str | PrefillPolicy, profile: DeviceProfile, itl_target_ms: float | None = None) -> PrefillPolicy:
+    """A fresh policy from its name, with the profile's controller parameters."""
+    if isinstance(spec, PrefillPolicy):
+        return spec
+    return parse_policy(spec, profile.dlfp_params(itl_target_ms))
+
+
+def engine_config(policy: PrefillPolicy | str, profile: DeviceProfile, seed: int = 0) -> EngineConfig:
+    budget = None if is_stock(policy) else profile.preemption_budget_s
+    return EngineConfig(preemption_budget_s=budget, preemption_initial=profile.preemption_initial, seed=seed)
+
+
+def build_engine(
+    backend: Backend,
+    policy: str | PrefillPolicy,
+    profile: DeviceProfile,
+    *,
+    itl_target_ms: float | None = None,
+    probe_period_s: float | None = 0.5,
+    governor: bool = True,
+    trace: Trace | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    start: bool = True,
+) -> Engine:
+    """The engine for one run. `probe_period_s=None` samples no probes (and so runs no
+    governor: it would have nothing to read); `governor=False` keeps the probes only."""
+    pol = make_policy(policy, profile, itl_target_ms)
+    engine = Engine(backend, pol, engine_config(pol, profile), trace=trace, clock=clock)
+    sampler = _sampler(engine, probe_period_s)
+    if sampler is not None:
+        engine.companions.append(sampler)
+        if governor and not is_stock(pol):
+            from dlfp.devices.governor import ThermalGovernor
+
+            # Background prefill yields to heat, throttling and a low battery; the foreground never does.
+            engine.background_gate = ThermalGovernor.for_profile(profile, source=sampler.latest)
+    return engine.start() if start else engine
+
+
+def _sampler(engine: Engine, period_s: float | None):
+    if not period_s:
+        return None
+    try:
+        from dlfp.devices.sampler import ProbeSampler
+    except ImportError as exc:  # psutil missing: probes are optional, the run is not
+        log.warning("probes unavailable (%s): no probe samples and no thermal governor", exc)
+        return None
+    return ProbeSampler(engine.trace, period_s=period_s)

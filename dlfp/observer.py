@@ -1,0 +1,170 @@
+"""One step observer: what the policy is fed, for every engine dlfp steers.
+
+Two calls bracket every step, whoever runs it: `begin()` + `scheduled()` when the
+step is planned, `completed()` when its output is back. dlfp's owned-loop engine
+calls them around its synchronous `backend.step`; the vLLM plug-in calls them from
+`schedule()` and `update_from_output()`. The observer turns them into what the
+policy is told:
+
+- `completion` (dlfp's signal): the step's completed time. A synchronous backend
+  measures it around the device call and passes it in; otherwise it is
+  `L = t_done - max(t_scheduled, t_previous_done)`: a step planned ahead (vLLM's
+  async scheduling) cannot start on the device before the previous one is done.
+- `cadence` (the paper's proxy, kept only to reproduce it): the interval between
+  consecutive `begin()` calls after a capped step. Under async scheduling the
+  next call comes as soon as the previous step's output is back, while another
+  step runs, so the interval measures the wrong step.
+
+A step is *capped* when a protected (foreground) sequence decodes in it, a cap was
+in force, and prompt tokens joined: only those steps are observed, decided here
+once (`is_capped`). A step is *budgeted* when isolated background prefill ran
+under the preemption budget: those steps feed the budget's own policy.
+
+Async lag: an observation of step k can shape step k+2 at the earliest, so each
+stamp carries the cap its step was planned with and the policy scales that cap
+(`observe(L, cap=...)`): a step planned before an observation arrived is
+corrected once, not twice. Stamps from before the last reset (a moment when no
+protected sequence decoded) are dropped, so a late observation cannot move the
+cap of a new decode burst.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from dlfp.controller import CADENCE, COMPLETION, PrefillPolicy, StepShape
+from dlfp.trace import StepRecord, is_capped
+
+# Stamps kept for steps whose output never came back (aborted engine): a bound, not a queue size.
+MAX_PENDING = 16
+
+
+@dataclass
+class Stamp:
+    t_scheduled: float  # the step may start on the device from here
+    guarded: bool
+    cap: int | None
+    shape: StepShape
+    epoch: int
+    n_prefill_bg: int = 0  # of shape.n_prefill; engines without classes report 0
+    bg_cap: int | None = None  # the preemption budget's cap in force
+    governor: str | None = None  # the thermal governor's decision for this step
+
+    @property
+    def capped(self) -> bool:
+        return is_capped(self.guarded, self.cap, self.shape.n_prefill)
+
+    @property
+    def budgeted(self) -> bool:
+        return not self.guarded and self.n_prefill_bg > 0 and self.bg_cap is not None
+
+    @property
+    def empty(self) -> bool:
+        return self.shape.n_decode + self.shape.n_prefill == 0
+
+
+class StepObserver:
+    def __init__(
+        self,
+        policy: PrefillPolicy,
+        clock: Callable[[], float],
+        sink: Callable[[StepRecord], None] | None = None,
+        budget: PrefillPolicy | None = None,
+    ):
+        self.policy = policy
+        self.budget = budget  # sizes isolated background chunks against the preemption budget
+        self.clock = clock
+        self.sink = sink
+        self._pending: dict[Hashable, Stamp] = {}
+        self._epoch = 0
+        self._call = 0.0  # when the current begin() came
+        self._prev_call: float | None = None  # when the last non-empty step's begin() came (cadence)
+        self._prev_capped = False
+        self._prev_done: float | None = None  # last completed non-empty step (completion)
+        self.last_observed: float | None = None
+
+    # -- planning ----------------------------------------------------------
+    def begin(self, guarded: bool) -> int | None:
+        """Before planning: the cadence observation, then the cap (None: no cap for this step)."""
+        t = self.clock()
+        self._call = t
+        self.last_observed = None
+        if self.policy.source == CADENCE and self._prev_capped and self._prev_call is not None:
+            self.last_observed = t - self._prev_call
+            self.policy.observe(self.last_observed)
+        if not guarded:
+            self.policy.reset()
+            self._epoch += 1
+            return None
+        return self.policy.cap()
+
+    def budget_cap(self) -> int | None:
+        """The cap for isolated background prefill this step (None: no budget)."""
+        return self.budget.cap() if self.budget is not None else None
+
+    def scheduled(self, key: Hashable, guarded: bool, cap: int | None, shape: StepShape, *,
+                  n_prefill_bg: int = 0, bg_cap: int | None = None, governor: str | None = None) -> Stamp:
+        """After planning: the step can start on the device from now. An empty step
+        (nothing to run) breaks the cadence chain and is never completed."""
+        stamp = Stamp(self.clock(), guarded, cap, shape, self._epoch, n_prefill_bg, bg_cap, governor)
+        if stamp.empty:
+            self._prev_call, self._prev_capped = None, False
+            return stamp
+        self._prev_call, self._prev_capped = self._call, stamp.capped
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.pop(next(iter(self._pending)))
+        self._pending[key] = stamp
+        return stamp
+
+    # -- completion --------------------------------------------------------
+    def completed(self, key: Hashable, duration_s: float | None = None,
+                  device_duration_s: float | None = None) -> StepRecord | None:
+        """The step's output is back. `duration_s`: the completed time where the backend
+        measured it (a synchronous call); otherwise it is taken from the stamps."""
+        t_done = self.clock()
+        stamp = self._pending.pop(key, None)
+        if stamp is None:
+            return None
+        start = stamp.t_scheduled if self._prev_done is None else max(stamp.t_scheduled, self._prev_done)
+        latency = duration_s if duration_s is not None else t_done - start
+        self._prev_done = t_done
+        observed = self.last_observed if self.policy.source == CADENCE else None
+        current = stamp.epoch == self._epoch
+        if self.policy.source == COMPLETION and stamp.capped and current:
+            observed = latency
+            self.policy.observe(latency, cap=stamp.cap, shape=stamp.shape)
+        if self.budget is not None and stamp.budgeted:
+            self.budget.observe(latency, cap=stamp.bg_cap, shape=stamp.shape)
+        record = self._record(stamp, start, t_done, latency, observed, device_duration_s)
+        if self.sink is not None:
+            self.sink(record)
+        return record
+
+    def _record(self, stamp: Stamp, t0: float, t1: float, latency: float, observed: float | None,
+                device_duration_s: float | None) -> StepRecord:
+        return StepRecord(
+            t0=t0,
+            t1=t1,
+            duration_s=latency,
+            n_decode=stamp.shape.n_decode,
+            n_prefill_fg=stamp.shape.n_prefill - stamp.n_prefill_bg,
+            n_prefill_bg=stamp.n_prefill_bg,
+            guarded=stamp.guarded,
+            cap=stamp.cap,
+            bg_cap=stamp.bg_cap,
+            observed_s=observed,
+            unreachable=self.policy.target_unreachable,
+            device_duration_s=device_duration_s,
+            governor=stamp.governor,
+        )
+
+
+def plan_shape(decode_positions: list[int], chunks: list[tuple[int, int]]) -> StepShape:
+    """A step's shape from its decode positions and its prompt chunks as (start, n_tokens)."""
+    prefill_sum = sum(n * start + n * (n - 1) // 2 for start, n in chunks)
+    return StepShape(
+        n_decode=len(decode_positions),
+        n_prefill=sum(n for _, n in chunks),
+        prefill_position_sum=prefill_sum,
+        decode_position_sum=sum(decode_positions),
+    )
