@@ -208,3 +208,60 @@ def test_gpu_torch_check_runs_tiny(tmp_path):
     assert all(r["reconciled"] and r["output_tokens"] == r["expected_output_tokens"] for r in rows)
     assert "| tiny | sync | dlfp |" in proc.stdout
     assert (tmp_path / "table.md").exists() and json.loads((tmp_path / "models.json").read_text())[0]["target_ms"] > 0
+
+
+# -- async (pipelined) mode through the engine ----------------------------------------
+
+def _run_engine(b, policy, requests):
+    from dlfp.controller import DLFPParams, parse_policy
+    from dlfp.engine import Engine, EngineConfig
+
+    eng = Engine(b, parse_policy(policy, DLFPParams(0.002, 8, 1, 64, 1)), EngineConfig(preemption_budget_s=0.002)).start()
+    try:
+        handles = [eng.submit(r) for r in requests()]
+        return {h.request_id: h.result(120) for h in handles}, eng.trace
+    finally:
+        eng.shutdown()
+
+
+def _requests():
+    from dlfp.sequence import Request, SamplingParams
+
+    shapes = ((40, 1, "foreground", 12), (200, 2, "background", 6), (120, 3, "foreground", 9), (30, 4, "foreground", 1))
+    return [Request(prompt(n, seed), out, prio, SamplingParams(temperature=0.0), True, f"r{seed}")
+            for n, seed, prio, out in shapes]
+
+
+def test_async_mode_gives_the_sync_tokens_and_really_pipelines():
+    b = make(n_batch=64)
+    events = []
+    launch, collect = b.launch, b._collect
+    b.launch = lambda plan: (events.append("launch"), launch(plan))[1]
+    b._collect = lambda launched: (events.append("wait"), collect(launched))[1]
+    for policy in ("unbounded", "dlfp", "dlfp-cadence"):
+        b.pipelined = False
+        sync, _ = _run_engine(b, policy, _requests)
+        b.pipelined = True
+        events.clear()
+        asyn, trace = _run_engine(b, policy, _requests)
+        assert {k: r.output_ids for k, r in asyn.items()} == {k: r.output_ids for k, r in sync.items()}, policy
+        assert all(r.finish_reason == "length" and len(r.output_ids) == r_out
+                   for r, r_out in zip(asyn.values(), (12, 6, 9, 1))), policy
+        # Step k+1 was launched before step k was collected: two launches in a row.
+        assert any(a == b_ == "launch" for a, b_ in zip(events, events[1:])), policy
+        assert len(trace.steps) == events.count("wait")
+
+
+def test_async_mode_refuses_sampling_it_cannot_do():
+    from dlfp.controller import Unbounded
+    from dlfp.engine import Engine, InvalidRequest
+    from dlfp.sequence import Request, SamplingParams
+
+    b = make()
+    b.pipelined = True
+    eng = Engine(b, Unbounded()).start()
+    try:
+        with pytest.raises(InvalidRequest, match="greedily"):
+            eng.submit(Request(prompt(10), 4, sampling=SamplingParams(temperature=0.7)))
+    finally:
+        eng.shutdown()

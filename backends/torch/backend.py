@@ -24,11 +24,13 @@ import numpy as np
 import torch
 
 from dlfp.backends.protocol import (
+    PLACEHOLDER_TOKEN,
     TIMING_DEVICE_EVENT,
     TIMING_SYNC_WALL,
     Backend,
     BackendError,
     Capabilities,
+    PendingStep,
     StepPlan,
     StepResult,
 )
@@ -37,12 +39,13 @@ from dlfp.backends.torch.model import KVCache, Packed, RotaryTable, Segment
 from dlfp.backends.torch.tokenizer import load_tokenizer
 from dlfp.backends.torch.weights import materialise
 
-PLACEHOLDER = -1  # a decode's token id meaning "the token this slot sampled last, still on the device"
+PLACEHOLDER = PLACEHOLDER_TOKEN  # a decode's token id: "the token this slot sampled last, still on the device"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 # Options from the environment (the CLI passes only model and profile), e.g. on a GPU box:
 # DLFP_TORCH_DEVICE=cuda DLFP_TORCH_DTYPE=bf16.
-DEVICE_ENV, DTYPE_ENV, SEED_ENV = "DLFP_TORCH_DEVICE", "DLFP_TORCH_DTYPE", "DLFP_TORCH_SEED"
+# DLFP_TORCH_ASYNC=1: pipelined (the engine launches step k+1 before collecting step k).
+DEVICE_ENV, DTYPE_ENV, SEED_ENV, ASYNC_ENV = "DLFP_TORCH_DEVICE", "DLFP_TORCH_DTYPE", "DLFP_TORCH_SEED", "DLFP_TORCH_ASYNC"
 
 
 @dataclass
@@ -55,7 +58,7 @@ class _Launched:
     end: torch.cuda.Event | None
 
 
-class PendingStep:
+class LaunchedStep(PendingStep):
     """A launched step. `wait()` blocks until its results are on the host, once."""
 
     def __init__(self, backend: "TorchBackend", launched: _Launched):
@@ -73,8 +76,10 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, cfg: ModelConfig, folder: Path | None, *, n_seq: int, n_ctx: int, n_batch: int,
-                 device: str | None = None, dtype: str | None = None, seed: int = 0, n_threads: int | None = None):
+                 device: str | None = None, dtype: str | None = None, seed: int = 0, n_threads: int | None = None,
+                 pipelined: bool = False):
         self.cfg = cfg
+        self.pipelined = pipelined  # read by the engine: launch ahead, placeholders, device tokens
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.cuda = self.device.type == "cuda"
         dtype_name = dtype or ("bfloat16" if self.cuda else "float32")
@@ -102,7 +107,7 @@ class TorchBackend(Backend):
     def step(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).wait()
 
-    def launch(self, plan: StepPlan) -> PendingStep:
+    def launch(self, plan: StepPlan) -> "LaunchedStep":
         """Check the plan, queue its work on the device and return without waiting for it.
 
         Raises BackendError before anything is queued if the plan is bad.
@@ -123,7 +128,7 @@ class TorchBackend(Backend):
             end.record()
         for s in slots:
             self._has_token[s] = True
-        return PendingStep(self, _Launched(t0, slots, host_logits, host_tokens, start, end))
+        return LaunchedStep(self, _Launched(t0, slots, host_logits, host_tokens, start, end))
 
     def free_sequence(self, seq_id: int) -> None:
         self._check_slot(seq_id)
@@ -155,6 +160,7 @@ class TorchBackend(Backend):
             "torch": torch.__version__,
             "kv_cache_gib": round(self.cache.nbytes() / 2**30, 3),
             "threads": None if self.cuda else torch.get_num_threads(),
+            "pipelined": self.pipelined,
         }
         if self.cuda:
             desc["gpu"] = torch.cuda.get_device_name(self.device)
@@ -279,4 +285,5 @@ def from_profile(model_path: str | None, profile, n_threads: int | None = None, 
     return TorchBackend(
         cfg, folder, n_seq=lim.max_sequences, n_ctx=lim.context_per_sequence, n_batch=lim.max_batch_tokens,
         device=device or os.environ.get(DEVICE_ENV) or None, dtype=dtype or os.environ.get(DTYPE_ENV) or None,
-        seed=int(seed if seed is not None else os.environ.get(SEED_ENV) or 0), n_threads=n_threads)
+        seed=int(seed if seed is not None else os.environ.get(SEED_ENV) or 0), n_threads=n_threads,
+        pipelined=os.environ.get(ASYNC_ENV, "0") not in ("", "0"))

@@ -59,17 +59,11 @@ def calibrate(backend, repeats: int = 5) -> dict:
             "auto_target_ms": (d + TARGET_SHARE * max(0.0, f - d)) * 1e3}
 
 
-def set_mode(backend, mode: str) -> bool:
-    """Switch the backend between sync and pipelined steps; False if the engine cannot pipeline."""
-    from dlfp import engine
-
-    if mode == "sync":
-        backend.pipelined = False
-        return True
-    if not getattr(engine, "PIPELINING", False):
-        return False
-    backend.pipelined = True
-    return True
+def set_mode(backend, mode: str) -> None:
+    """sync: each step waits for its results; async: the engine launches step k+1 first."""
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be sync or async, got {mode!r}")
+    backend.pipelined = mode == "async"
 
 
 def run_model(model: str, args, profile, out: Path) -> list[dict]:
@@ -89,9 +83,7 @@ def run_model(model: str, args, profile, out: Path) -> list[dict]:
     rows, agreement = [], {}
     tag = model.replace("/", "_")
     for mode in args.modes:
-        if not set_mode(backend, mode):
-            print(f"[{model}] {mode}: skipped, this engine has no pipelined mode", flush=True)
-            continue
+        set_mode(backend, mode)
         runs = []
         for k, arm in enumerate(args.arms):
             t = time.perf_counter()
