@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The torch backend on one GPU: Qwen3-0.6B and Qwen3-8B architectures with random bf16
 # weights (bundled configs, like vLLM's load_format=dummy), the paper's Agent workload
-# (16,384 in / 256 out, scaled by REQUESTS/RATE so each arm takes about 25 s), arms
+# (16,384 in / 256 out; REQUESTS=12 at RATE=1.0/s, so an arm takes roughly 20-40 s), arms
 # unbounded, dlfp-cadence (the paper's scheduler-call interval) and dlfp (completion),
 # sync and async modes, one seed. Writes trials.jsonl, table.md, models.json and
 # per-trial traces under $OUT and prints the paired table. Needs only python with torch
 # (CUDA) and numpy: no install, no download, dlfp runs from this checkout.
-#   bash scripts/gpu_torch_check.sh          # an NVIDIA GPU (H200: about 6-7 minutes)
+#   bash scripts/gpu_torch_check.sh          # an NVIDIA GPU (H200: estimated 5-7 minutes; unmeasured)
 #   bash scripts/gpu_torch_check.sh --tiny   # CPU, the tiny config in fp32 (CI; seconds)
 # Environment (optional): PY=python3 OUT=runs/gpu-torch-check MODELS=qwen3-0.6b,qwen3-8b
-#   MODES=sync,async ARMS=unbounded,dlfp-cadence,dlfp REQUESTS=16 RATE=1.0 SCALE=1.0 SEED=801
+#   MODES=sync,async ARMS=unbounded,dlfp-cadence,dlfp REQUESTS=12 RATE=1.0 SCALE=1.0 SEED=801
 #   TARGET_MS=auto (decode step + 30% of the way to a full-budget step) LIMIT_S=460
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ if [ "$TINY" = 1 ]; then
   REQUESTS=${REQUESTS:-6} RATE=${RATE:-4.0} SCALE=${SCALE:-0.02} THREADS=${THREADS:-1}
 else
   MODELS=${MODELS:-qwen3-0.6b,qwen3-8b} DEVICE=cuda DTYPE=bfloat16 PROFILE=backends/torch/profiles/h200-agent.toml
-  REQUESTS=${REQUESTS:-16} RATE=${RATE:-1.0} SCALE=${SCALE:-1.0} THREADS=${THREADS:-}
+  REQUESTS=${REQUESTS:-12} RATE=${RATE:-1.0} SCALE=${SCALE:-1.0} THREADS=${THREADS:-}
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2
 fi
 "$PY" - "$DEVICE" <<'PYCHECK' || fail "python ($PY) lacks what the check needs (see above)"
@@ -59,8 +59,17 @@ import torch
 if sys.argv[1] == "cuda" and not torch.cuda.is_available():
     sys.exit(f"torch {torch.__version__} sees no CUDA device (built for CUDA {torch.version.cuda})")
 import dlfp.backends.torch.gpu_check  # noqa: F401  (the shim works)
-print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if sys.argv[1] == 'cuda' else 'cpu'}",
-      file=sys.stderr)
+line = f"torch {torch.__version__}, device {torch.cuda.get_device_name() if sys.argv[1] == 'cuda' else 'cpu'}"
+if sys.argv[1] == "cuda":
+    line += f", built for CUDA {torch.version.cuda}"
+    try:  # the driver's CUDA, where nvidia-ml-py is installed (a mismatch would have failed above)
+        import pynvml
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetCudaDriverVersion()
+        line += f", driver supports CUDA {v // 1000}.{v % 1000 // 10}"
+    except Exception as exc:  # noqa: BLE001
+        line += f" (driver CUDA version unknown: {exc})"
+print(line, file=sys.stderr)
 PYCHECK
 
 mkdir -p "$OUT"

@@ -66,7 +66,7 @@ def set_mode(backend, mode: str) -> None:
     backend.pipelined = mode == "async"
 
 
-def run_model(model: str, args, profile, out: Path) -> list[dict]:
+def run_model(model: str, args, profile, out: Path, done: list[dict]) -> tuple[list[dict], dict]:
     from dlfp.backends.torch.backend import from_profile
 
     t0 = time.perf_counter()
@@ -95,10 +95,12 @@ def run_model(model: str, args, profile, out: Path) -> list[dict]:
                 "trace_suffix": suffix}
             rows.append(row)
             runs.append(trial)
+            # Written after every arm: a run cut short by the time limit keeps what it measured.
+            (out / "trials.jsonl").write_text("".join(json.dumps(x) + "\n" for x in done + rows))
             print(f"[{model}] {mode} {arm}: {row['wall_s']:.0f} s, ITL P99 {row.get('itl_p99_ms') or 0:.1f} ms", flush=True)
         agreement[mode] = output_agreement(runs, args.arms[0])
     backend.close()
-    del backend
+    del backend, target
     _free_device()
     info["agreement"] = agreement
     return rows, info
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs)")
     p.add_argument("--seed", type=int, default=801)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests", type=int, default=12)
     p.add_argument("--rate", type=float, default=1.0)
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=1)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(args.profile)
     rows, infos = [], []
     for model in [m for m in args.models.split(",") if m]:
-        r, info = run_model(model, args, profile, out)
+        r, info = run_model(model, args, profile, out, rows)
         rows += r
         infos.append(info)
         (out / "trials.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
