@@ -122,7 +122,7 @@ class TorchBackend(Backend):
         logits = self.model(batch, self.cache, self.rope)
         tokens = logits.argmax(dim=-1)
         if slots:
-            self._last_token[torch.tensor(slots, device="cpu").to(self.device, non_blocking=self.cuda)] = tokens
+            self._last_token[self._to_device(torch.tensor(slots, dtype=torch.long))] = tokens
         host_logits, host_tokens = self._to_host(logits), self._to_host(tokens)
         if self.cuda:
             end.record()
@@ -186,6 +186,12 @@ class TorchBackend(Backend):
         return StepResult(logits=logits, duration_s=t_ready - begin, device_duration_s=device_s,
                           token_ids=token_ids)
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device without waiting for queued work (pinned source, non-blocking copy)."""
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
             return t
@@ -217,17 +223,12 @@ class TorchBackend(Backend):
                 logit_rows.append(len(tokens) - 1)
                 logit_slots.append(c.seq_id)
             self._length[c.seq_id] = c.end
-        host = torch.from_numpy(np.array([tokens, positions, slots], dtype=np.int64))
-        if self.cuda:
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=self.cuda)
+        dev = self._to_device(torch.from_numpy(np.array([tokens, positions, slots], dtype=np.int64)))
         tok = dev[0]
         if any(t == PLACEHOLDER for t in tokens):  # async decodes: the token sampled on the device
             tok = torch.where(tok == PLACEHOLDER, self._last_token[dev[2]], tok)
-        rows = torch.tensor(logit_rows, dtype=torch.long)
-        if self.cuda:
-            rows = rows.pin_memory()
-        return Packed(tok, dev[1], dev[2], segments, rows.to(self.device, non_blocking=self.cuda)), logit_slots
+        rows = self._to_device(torch.tensor(logit_rows, dtype=torch.long))
+        return Packed(tok, dev[1], dev[2], segments, rows), logit_slots
 
     def _check(self, plan: StepPlan) -> None:
         caps = self.capabilities
