@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,7 @@ from dlfp.backends.protocol import (
     Backend,
     BackendError,
     Capabilities,
+    Limits,
     ModelLoadError,
     StepPlan,
     StepResult,
@@ -50,8 +51,8 @@ LOAD_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class ExecuTorchConfig:
     model_path: str
-    n_seq: int = 4  # Programs loaded, one per sequence slot
-    max_batch_tokens: int = 256  # tokens per step (also bounded by the program's max chunk)
+    # One Program is loaded per sequence slot; context and step size are also bounded by the program.
+    limits: Limits = Limits(max_sequences=4, context_per_sequence=2048, max_batch_tokens=256)
     n_threads: int | None = None  # XNNPACK threads; None: one per physical core
     multi_sequence: bool = True  # several sequences per step, run one after another
     etdump: bool = False  # read ETDump's per-execute spans back as device_duration_s
@@ -111,12 +112,12 @@ class ExecuTorchBackend(Backend):
             multi_sequence=config.multi_sequence,
             per_step_chunking=True,
             timing=TIMING_SYNC_WALL,
-            max_sequences=config.n_seq,
-            context_per_sequence=int(self.meta["max_seq_len"]),
-            max_batch_tokens=min(config.max_batch_tokens, int(self.meta["max_chunk"])),
+            max_sequences=config.limits.max_sequences,
+            context_per_sequence=min(config.limits.context_per_sequence, int(self.meta["max_seq_len"])),
+            max_batch_tokens=min(config.limits.max_batch_tokens, int(self.meta["max_chunk"])),
             vocab_size=int(self.meta["vocab_size"]),
         )
-        self._filled = [0] * config.n_seq  # positions each slot holds (cells past it are stale)
+        self._filled = [0] * config.limits.max_sequences  # positions each slot holds (cells past it are stale)
         self._conn, self._proc = None, None
         self._runtime_info = self._start_worker()
 
@@ -125,7 +126,7 @@ class ExecuTorchBackend(Backend):
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
         parent, child = ctx.Pipe()
-        args = (child, str(Path(self.config.model_path).resolve()), self.config.n_seq,
+        args = (child, str(Path(self.config.model_path).resolve()), self.config.limits.max_sequences,
                 self.meta.get("method", "forward"), self.n_threads, self.config.etdump)
         self._proc = ctx.Process(target=executorch_worker.serve, args=args, name="dlfp-executorch", daemon=True)
         self._proc.start()
@@ -201,8 +202,7 @@ class ExecuTorchBackend(Backend):
             "name": self.name,
             "model_path": str(Path(self.config.model_path).resolve()),
             "model": self.meta.get("model", {}),
-            "n_seq": self.config.n_seq,
-            "max_batch_tokens": self.capabilities.max_batch_tokens,
+            **asdict(self.capabilities.limits()),
             "multi_sequence": self.config.multi_sequence,
             "execution": "one Program per sequence; a step's items run one after another in a worker process",
             "etdump": self.config.etdump,
@@ -223,12 +223,6 @@ class ExecuTorchBackend(Backend):
                 self._proc.kill()
             self._proc = None
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 def from_profile(
     model_path: str | None,
@@ -243,8 +237,7 @@ def from_profile(
     return ExecuTorchBackend(
         ExecuTorchConfig(
             model_path=str(model_path),
-            n_seq=profile.max_sequences,
-            max_batch_tokens=profile.max_batch_tokens,
+            limits=profile.limits,
             n_threads=n_threads,
             multi_sequence=multi_sequence,
             etdump=etdump,

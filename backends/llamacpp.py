@@ -29,6 +29,11 @@ from dlfp.backends.protocol import (
 )
 
 GGUF_MAGIC = b"GGUF"
+LLAMA_VOCAB_SPM, LLAMA_VOCAB_BPE = 1, 2  # llama.cpp's enum llama_vocab_type
+# SentencePiece writes a space as "▁" (3 bytes) and a piece turns it back into one space,
+# so a token may cover up to 3 input bytes per byte of its piece (a literal "▁" in the text).
+SPM_SPACE_FACTOR = 3
+UTF8_MAX = 4  # an unknown character becomes one token per character at worst (<unk>), never fewer
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,7 @@ class LlamaCppBackend(Backend):
             vocab_size=self.n_vocab,
         )
         self._template = self._chat_template()
+        self._max_token_bytes: int | None = None
 
     # -- stepping ----------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
@@ -197,6 +203,22 @@ class LlamaCppBackend(Backend):
             out += buf.raw[:n]
         return bytes(out)
 
+    def max_token_bytes(self) -> int | None:
+        """Sound for BPE vocabularies (each token is a run of the input's own bytes, special
+        tokens included when rendered as text) and SPM ones (times 3, SPM_SPACE_FACTOR).
+        WPM/UGM vocabularies can turn a whole unknown word into one <unk>: no bound, None."""
+        if self._max_token_bytes is None:
+            kind = self._ll.llama_vocab_type(self._vocab)
+            if kind not in (LLAMA_VOCAB_SPM, LLAMA_VOCAB_BPE):
+                return None
+            buf = ctypes.create_string_buffer(16)
+            # llama_token_to_piece returns -size when the buffer is short: |n| is the piece's length either way.
+            longest = max(abs(self._ll.llama_token_to_piece(self._vocab, t, buf, len(buf), 0, True))
+                          for t in range(self.n_vocab))
+            factor = SPM_SPACE_FACTOR if kind == LLAMA_VOCAB_SPM else 1
+            self._max_token_bytes = max(UTF8_MAX, longest * factor)
+        return self._max_token_bytes
+
     def is_eos(self, token_id: int) -> bool:
         return bool(self._ll.llama_vocab_is_eog(self._vocab, token_id))
 
@@ -236,12 +258,6 @@ class LlamaCppBackend(Backend):
         if self._model:
             self._ll.llama_model_free(self._model)
             self._model = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def from_profile(

@@ -69,6 +69,9 @@ class Capabilities:
     max_batch_tokens: int  # tokens one step may carry (llama.cpp's n_batch)
     vocab_size: int
 
+    def limits(self) -> Limits:
+        return Limits(self.max_sequences, self.context_per_sequence, self.max_batch_tokens)
+
 
 @dataclass
 class DecodeItem:
@@ -205,16 +208,22 @@ class Backend(ABC):
     @abstractmethod
     def detokenize(self, token_ids: list[int]) -> str: ...
 
-    def token_bytes(self, token_ids: list[int]) -> bytes:
+    def token_bytes(self, token_ids: list[int]) -> bytes | None:
         """Raw bytes of tokens, so a stream can hold back a split UTF-8 character.
 
-        Adapters whose tokenizer has byte pieces override this; the default is exact
-        only for tokenizers whose every token decodes to whole characters.
+        None (the default): the tokenizer has no byte pieces to give (decoding one
+        token alone may drop its leading space), so a stream decodes the whole
+        output and hands out the new suffix instead.
         """
-        return self.detokenize(token_ids).encode("utf-8")
+        return None
 
     @abstractmethod
     def is_eos(self, token_id: int) -> bool: ...
+
+    def max_token_bytes(self) -> int | None:
+        """The most input bytes one token can cover, so a server can refuse text that
+        cannot fit the context before tokenising it. None: no sound bound is known."""
+        return None
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt, rendered with the model's own template."""
@@ -226,3 +235,9 @@ class Backend(ABC):
 
     def close(self) -> None:
         pass
+
+    def __del__(self):
+        try:
+            self.close()  # a runtime holds native memory (contexts, worker processes)
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn modules down
+            pass

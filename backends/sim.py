@@ -3,11 +3,19 @@
 It runs no model. Step time follows a linear cost model and is spent on a virtual
 clock (or slept, with `sleep=True`). Its numbers are never a measurement of a
 device; every trace it produces says `simulated`.
+
+`replay_noise(steps-*.jsonl)` fits the cost model to a real run's step trace and
+keeps each recorded step's ratio to the fit, in recorded order: replayed, the
+ratios give the simulated steps the real device's spread and its bursts (another
+process taking a core for a while). `cost_factor` multiplies every step (a cost
+shift mid-run).
 """
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +28,46 @@ class SimCost:
     decode_s: float = 0.010  # per decoding sequence
     prefill_token_s: float = 0.008  # per prompt token
     attention_s: float = 2e-6  # per prompt token per position already cached (grows with depth)
+
+
+@dataclass
+class ReplayNoise:
+    """Per-step cost ratios recorded from a real trace, replayed in order (cyclically)."""
+
+    ratios: list[float]
+    source: str = ""
+    offset: int = 0  # where replay starts (a study varies it per seed)
+    fitted: SimCost = field(default_factory=SimCost)
+
+    def __post_init__(self) -> None:
+        if not self.ratios or min(self.ratios) <= 0:
+            raise ValueError("replay noise needs positive ratios")
+
+    def at(self, step_index: int) -> float:
+        return self.ratios[(self.offset + step_index) % len(self.ratios)]
+
+
+def replay_noise(path: str | Path, attention_s: float = 0.0) -> ReplayNoise:
+    """Fit base + per-decode + per-prompt-token cost to a recorded steps-*.jsonl.
+
+    The trace has no positions, so the fit averages the position cost into the
+    per-token cost; `attention_s` (per prompt token per cached position) adds it
+    back explicitly, as a stated assumption of the study.
+    """
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("duration_s", 0) > 0]
+    if len(rows) < 16:
+        raise ValueError(f"{path}: {len(rows)} timed steps; a replay needs at least 16")
+    x = np.array([[1.0, r["n_decode"], r["n_prefill_fg"] + r["n_prefill_bg"]] for r in rows])
+    y = np.array([r["duration_s"] for r in rows])
+    # Relative least squares: the ratios, not seconds, are what gets replayed.
+    w = 1.0 / y
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    coef = np.maximum(coef, 1e-5)
+    fit = SimCost(base_s=float(coef[0]), decode_s=float(coef[1]), prefill_token_s=float(coef[2]),
+                  attention_s=attention_s)
+    ratios = (y / (x @ coef)).tolist()
+    return ReplayNoise(ratios, source=str(path), fitted=fit)
 
 
 class VirtualClock:
@@ -47,8 +95,12 @@ class SimBackend(Backend):
         multi_sequence: bool = True,
         sleep: bool = False,
         eos_id: int | None = None,
+        noise: ReplayNoise | None = None,
     ):
-        self.cost = cost or SimCost()
+        self.cost = cost or (noise.fitted if noise is not None else SimCost())
+        self.noise = noise
+        self.cost_factor = 1.0  # a study or test shifts the cost mid-run by changing it
+        self.steps_run = 0
         self.clock = clock
         self.sleep = sleep
         self.eos_id = eos_id
@@ -66,13 +118,22 @@ class SimBackend(Backend):
         self.plans: list[StepPlan] = []
 
     def duration(self, plan: StepPlan) -> float:
+        """The model's step time, times the cost factor and the replayed noise of this step."""
         c = self.cost
         attention = sum(len(p.token_ids) * (p.start + len(p.token_ids) / 2) for p in plan.prefills)
-        return c.base_s + c.decode_s * plan.n_decode + c.prefill_token_s * plan.n_prefill + c.attention_s * attention
+        d = c.base_s + c.decode_s * plan.n_decode + c.prefill_token_s * plan.n_prefill + c.attention_s * attention
+        noise = self.noise.at(self.steps_run) if self.noise is not None else 1.0
+        return d * self.cost_factor * noise
+
+    def time_step(self, plan: StepPlan) -> float:
+        """Duration of the next step (the replay moves on by one step)."""
+        d = self.duration(plan)
+        self.steps_run += 1
+        return d
 
     def step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
-        d = self.duration(plan)
+        d = self.time_step(plan)
         if self.clock is not None:
             self.clock.t += d
         elif self.sleep:
@@ -107,7 +168,10 @@ class SimBackend(Backend):
         return token_id == self.eos_id
 
     def describe(self) -> dict:
-        return {"name": self.name, "simulated": True, "cost": vars(self.cost)}
+        out = {"name": self.name, "simulated": True, "cost": vars(self.cost), "cost_factor": self.cost_factor}
+        if self.noise is not None:
+            out["replayed_noise"] = {"source": self.noise.source, "steps": len(self.noise.ratios)}
+        return out
 
 
 def from_profile(model_path: str | None, profile, **_) -> SimBackend:

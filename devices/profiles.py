@@ -30,11 +30,20 @@ class DeviceProfile:
     thermal_limit_c: float = 90.0
     battery_min_percent: float = 0.0
     max_growth: float = 0.0  # largest per-step growth of the cap (0: unlimited, the paper's law)
+    # The tail-aware controller (`dlfp`); defaults as DLFPParams', see dlfp/controller.py.
+    quantile: float = 0.99
+    window: int = 128
+    forgetting: float = 0.95
+    prior_spread: float = 1.5
+    zero_cap: bool = False
+    probe_every: int = 32
 
     def dlfp_params(self, itl_target_ms: float | None = None) -> DLFPParams:
         target = itl_target_ms if itl_target_ms is not None else self.itl_target_ms
         growth = self.max_growth if self.max_growth > 0 else None
-        return DLFPParams(target / 1e3, self.initial, self.minimum, self.maximum, self.quantum, growth)
+        return DLFPParams(target / 1e3, self.initial, self.minimum, self.maximum, self.quantum, growth,
+                          quantile=self.quantile, window=self.window, forgetting=self.forgetting,
+                          prior_spread=self.prior_spread, zero_cap=self.zero_cap, probe_every=self.probe_every)
 
     @property
     def limits(self) -> Limits:

@@ -9,7 +9,7 @@ import click
 
 from dlfp.devices.profiles import load_profile
 
-POLICY_HELP = "comma-separated: unbounded, dlfp, dlfp-cadence, fixed:N"
+POLICY_HELP = "comma-separated: unbounded, dlfp, dlfp-paper, dlfp-cadence, fixed:N"
 
 
 class UserError(click.ClickException):
@@ -41,6 +41,8 @@ LAZY_COMMANDS = {
     "check-backend": "dlfp.backends.conformance:check_backend_command",
     "export-executorch": "dlfp.backends.executorch_export:export_command",
     "serve": "dlfp.server.cli:serve",
+    "study": "dlfp.study:study",
+    "soak": "dlfp.server.soak:soak",
 }
 
 

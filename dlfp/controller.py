@@ -4,13 +4,21 @@ Pure and clock-free: a policy is told what was observed and answers with a cap.
 The engine decides *what* it observes (completed step time or the scheduler-call
 interval); the policy records which source it was built for so traces say so.
 
-DLFP is equation (2) of the paper:
+Two DLFP laws live here:
 
-    c_next = clamp(floor_q(c * T / L), c_min, c_max)
+- `dlfp` (TailDLFP, the default): learns the step's cost online
+  (dlfp/stepcost.py) and aims a chosen quantile of the capped steps, not their
+  mean, at the target; may hold background prefill out entirely (cap 0).
+- `dlfp-paper` / `dlfp-cadence` (DLFP): equation (2) of the paper, bit-exact,
+
+      c_next = clamp(floor_q(c * T / L), c_min, c_max)
+
+  timed by completion or by the paper's scheduler-call proxy.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Mapping
@@ -114,8 +122,25 @@ class DLFPParams:
     # paper's law). Shrinking is never limited. On a noisy CPU one lucky fast step
     # would otherwise multiply the cap and the next step overshoots the target.
     max_growth: float | None = None
+    # TailDLFP only (the paper's law ignores these):
+    quantile: float = 0.99  # step-time quantile aimed at the target
+    window: int = 128  # recent capped steps whose spread sizes the setpoint
+    forgetting: float = 0.95  # cost-model memory per observation (about 1/(1-f) steps)
+    prior_spread: float = 1.5  # assumed quantile/mean ratio until the window has data
+    zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
+    probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
 
     def __post_init__(self) -> None:
+        if not 0.5 <= self.quantile < 1:
+            raise ValueError(f"quantile must be in [0.5, 1), got {self.quantile}")
+        if self.window < 8:
+            raise ValueError(f"window must be >= 8 steps, got {self.window}")
+        if not 0.5 <= self.forgetting <= 1:
+            raise ValueError(f"forgetting must be in [0.5, 1], got {self.forgetting}")
+        if self.prior_spread < 1:
+            raise ValueError(f"prior_spread must be >= 1, got {self.prior_spread}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.max_growth is not None and self.max_growth <= 1:
             raise ValueError(f"max_growth must be > 1, got {self.max_growth}")
         if self.target_s <= 0:
@@ -184,7 +209,7 @@ class DLFP(PrefillPolicy):
             raise ValueError(f"unknown observation source {source!r}; one of {SOURCES}")
         self.params = params
         self.source = source
-        self.name = "dlfp" if source == COMPLETION else "dlfp-cadence"
+        self.name = "dlfp-paper" if source == COMPLETION else "dlfp-cadence"
         self._cap = params.initial
         self._misses_at_min = 0
 
@@ -192,6 +217,8 @@ class DLFP(PrefillPolicy):
         return self._cap
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
+        if shape is not None and shape.n_prefill == 0:
+            return  # a step without prompt tokens says nothing about the cap (equation (2) as published)
         p = self.params
         # Scale the cap the observed step ran with: scaling a cap that a later
         # observation already moved would apply one correction twice.
@@ -211,18 +238,141 @@ class DLFP(PrefillPolicy):
         return self._misses_at_min >= UNREACHABLE_AFTER
 
     def describe(self) -> dict:
-        return {"name": self.name, "source": self.source, **params_to_dict(self.params)}
+        return describe_params(self.name, self.source, self.params)
 
 
-def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> PrefillPolicy:
-    """Sizes isolated background chunks so that one step stays within the preemption
-    budget: the same proportional law, aimed at the budget instead of the ITL target."""
-    initial = max(1, min(initial, max_tokens))
-    return DLFP(DLFPParams(budget_s, initial, 1, max_tokens, 1))
+def describe_params(name: str, source: str, p: DLFPParams) -> dict:
+    """Every parameter, whole (a field added later is never dropped): params_to_dict."""
+    return {"name": name, "source": source, **params_to_dict(p)}
+
+
+WARMUP_OBSERVATIONS = 8  # before this many, the cost model is young: growth stays limited
+MIN_RATIOS = 32  # residuals needed before the observed spread replaces the prior
+MAX_SPREAD = 8.0
+
+
+class TailDLFP(PrefillPolicy):
+    """Tail-aware DLFP: hold a quantile of the guarded steps at the target.
+
+    Each observed guarded step teaches a cost model (dlfp/stepcost.py: the
+    decode-only cost plus a cost per prompt token) and leaves the ratio of its
+    time to what the model predicted. The setpoint is T divided by the
+    `quantile` of the recent ratios, so the step times' spread, not their mean,
+    is what meets T. The cap is the number of prompt tokens the model fits under
+    the setpoint, at once, with no climb: what was learned survives `reset()`,
+    so each foreground turn starts at the right cap. A step that misses T also
+    shrinks the cap by equation (2) at once.
+
+    When even the minimum chunk would break T at the quantile (and `zero_cap`),
+    the cap is 0: no background prompt token joins a guarded step (counted in
+    `zero_steps`). The decode-only steps observed meanwhile keep the base cost
+    current, so the cap returns when the device is free again; one guarded step
+    in `probe_every` carries the minimum chunk in case the per-token cost moved.
+    """
+
+    source = COMPLETION
+
+    def __init__(self, params: DLFPParams, name: str = "dlfp"):
+        from dlfp.stepcost import StepCostModel
+
+        self.params = params
+        self.name = name
+        self.model = StepCostModel(params.forgetting)
+        self._ratios: deque[float] = deque(maxlen=params.window)
+        self._cap = params.initial
+        self._misses_at_min = 0
+        self._asked_at_zero = 0
+        self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
+
+    def cap(self) -> int | None:
+        if self._cap > 0:
+            return self._cap
+        self._asked_at_zero += 1
+        if self._asked_at_zero % self.params.probe_every == 0:
+            return self.params.minimum  # a probe: does the minimum chunk fit again?
+        self.zero_steps += 1
+        return 0
+
+    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
+        p = self.params
+        ran_with = self._cap if cap is None else cap
+        n = shape.n_prefill if shape is not None else ran_with
+        if latency_s <= 0 or n < 0:
+            return  # nothing to learn from
+        latency_ms = latency_s * 1e3
+        predicted = self.model.predict(n)
+        if predicted and self.model.n_obs >= WARMUP_OBSERVATIONS:
+            self._ratios.append(latency_ms / predicted)
+        self.model.update(latency_ms, n)
+        if n == 0:  # a decode-only guarded step: the base moved, so may the cap
+            if self.model.ready and (self._cap == 0 or ran_with == 0):
+                self._cap = self._planned()
+            return
+        missed = latency_s > p.target_s
+        self._misses_at_min = self._misses_at_min + 1 if n <= p.minimum and missed else 0
+        new = self._planned()
+        if missed:  # reflex: equation (2) on the tokens the step carried
+            new = min(new, math.floor(n * p.target_s / latency_s / p.quantum) * p.quantum)
+            if new < p.minimum:
+                new = 0 if p.zero_cap and self.model.n_obs >= WARMUP_OBSERVATIONS else p.minimum
+        if self.model.n_obs < WARMUP_OBSERVATIONS:
+            growth = p.max_growth or 2.0
+            new = min(new, max(int(max(ran_with, 1) * growth), ran_with + p.quantum))
+        self._cap = new
+
+    def spread(self) -> float:
+        """The recent steps' `quantile` as a multiple of the model's prediction."""
+        p = self.params
+        if len(self._ratios) < MIN_RATIOS:
+            return p.prior_spread
+        ordered = sorted(self._ratios)
+        q = ordered[min(len(ordered) - 1, math.ceil(p.quantile * len(ordered)) - 1)]
+        return min(MAX_SPREAD, max(1.0, q))
+
+    def setpoint_s(self) -> float:
+        return self.params.target_s / self.spread()
+
+    def _planned(self) -> int:
+        """Tokens the model fits under the setpoint, floored to the quantum and clamped."""
+        p = self.params
+        if not self.model.ready:
+            return p.initial
+        room = self.model.tokens_within(self.setpoint_s() * 1e3)
+        if room < p.minimum:
+            young = self.model.n_obs < WARMUP_OBSERVATIONS
+            return 0 if p.zero_cap and not young else p.minimum
+        return max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
+
+    def reset(self) -> None:
+        # What was learned is a property of the device and model, not of one turn:
+        # keep it, and start the next turn at the cap it gives.
+        self._asked_at_zero = 0
+        self._cap = self._planned()
+
+    @property
+    def target_unreachable(self) -> bool:
+        return self._misses_at_min >= UNREACHABLE_AFTER
+
+    def state(self) -> dict:
+        """What the controller has learned (for traces and the study)."""
+        m = self.model
+        return {"cap": self._cap, "spread": self.spread(), "setpoint_ms": self.setpoint_s() * 1e3,
+                "base_ms": m.base_ms, "token_ms": m.token_ms, "observations": m.n_obs,
+                "zero_steps": self.zero_steps}
+
+    def describe(self) -> dict:
+        return describe_params(self.name, self.source, self.params)
+
+
+POLICY_NAMES = ("unbounded", "fixed:N", "dlfp", "dlfp-paper", "dlfp-cadence")
 
 
 def parse_policy(spec: str, defaults: DLFPParams) -> PrefillPolicy:
-    """`unbounded`, `fixed:N`, `dlfp`, `dlfp-cadence` -> a fresh policy."""
+    """`unbounded`, `fixed:N`, `dlfp`, `dlfp-paper`, `dlfp-cadence` -> a fresh policy.
+
+    The paper's law runs without a growth limit (equation (2) as published),
+    whatever the profile sets for max_growth.
+    """
     spec = spec.strip()
     if spec == "unbounded":
         return Unbounded()
@@ -232,7 +382,21 @@ def parse_policy(spec: str, defaults: DLFPParams) -> PrefillPolicy:
             raise ValueError(f"fixed cap needs a positive integer: {spec!r}")
         return FixedCap(int(value))
     if spec == "dlfp":
-        return DLFP(defaults, COMPLETION)
+        return TailDLFP(defaults)
+    if spec == "dlfp-paper":
+        return DLFP(replace(defaults, max_growth=None), COMPLETION)
     if spec == "dlfp-cadence":
-        return DLFP(defaults, CADENCE)
-    raise ValueError(f"unknown policy {spec!r}: use unbounded, fixed:N, dlfp or dlfp-cadence")
+        return DLFP(replace(defaults, max_growth=None), CADENCE)
+    raise ValueError(f"unknown policy {spec!r}: use {', '.join(POLICY_NAMES)}")
+
+
+def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> PrefillPolicy:
+    """Sizes isolated background chunks so a step stays within the preemption budget.
+
+    The same cost learning as `dlfp`, aimed at the budget: a foreground message that
+    arrives meanwhile waits for at most about one such step. Never 0, since isolated
+    background prefill must progress.
+    """
+    initial = max(1, min(initial, max_tokens))
+    return TailDLFP(DLFPParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False),
+                    name="budget")

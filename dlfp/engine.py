@@ -37,7 +37,7 @@ import numpy as np
 
 from dlfp.backends.protocol import Backend, BackendError, DoneStep, PendingStep
 from dlfp.controller import PrefillPolicy, make_budget_policy
-from dlfp.observer import StepObserver, plan_shape
+from dlfp.observer import StepObserver, step_shape
 from dlfp.sampling import sample
 from dlfp.scheduler import PlannedStep, Scheduler
 from dlfp.sequence import FOREGROUND, FinishReason, Request, Sequence, Status
@@ -330,8 +330,7 @@ class Engine:
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
         step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed)
         self._step_no += 1
-        shape = plan_shape([d.position for d in step.plan.decodes], [(c.start, len(c.token_ids)) for c in step.plan.prefills])
-        obs.scheduled(self._step_no, step.guarded, step.cap, shape,
+        obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step.plan),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label)
         previous, self._in_flight = self._in_flight, None
         if step.plan.is_empty():

@@ -140,6 +140,8 @@ def session_summary(s: Session) -> dict:
         "time_split_s": time_split(s),
         "energy": energy_report(s.trace.samples, s.start, s.end, s.trace.steps, s.trace.requests),
         "governor_holds": sum(1 for st in s.trace.steps if st.governor and st.governor != "clear"),
+        # guarded steps the controller kept free of background prompt tokens (a cap of 0)
+        "zero_cap_steps": sum(1 for st in s.trace.steps if st.guarded and st.cap == 0),
         "notes": list(s.trace.notes),
     }
 

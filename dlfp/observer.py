@@ -15,9 +15,11 @@ policy is told:
   next call comes as soon as the previous step's output is back, while another
   step runs, so the interval measures the wrong step.
 
-A step is *capped* when a protected (foreground) sequence decodes in it, a cap was
-in force, and prompt tokens joined: only those steps are observed, decided here
-once (`is_capped`). A step is *budgeted* when isolated background prefill ran
+A step is *guarded* when a protected (foreground) sequence decodes in it: every
+guarded step's completion is fed to the policy with its cap and shape (the
+paper's law uses only the *capped* ones, where prompt tokens joined under a cap:
+`trace.is_capped`, decided once; a cost-learning policy reads the decode-only
+cost from the rest). The cadence proxy follows capped steps. A step is *budgeted* when isolated background prefill ran
 under the preemption budget: those steps feed the budget's own policy.
 
 Async lag: an observation of step k can shape step k+2 at the earliest, so each
@@ -130,7 +132,9 @@ class StepObserver:
         self._prev_done = t_done
         observed = self.last_observed if self.policy.source == CADENCE else None
         current = stamp.epoch == self._epoch
-        if self.policy.source == COMPLETION and stamp.capped and current:
+        if self.policy.source == COMPLETION and stamp.guarded and current:
+            # Decode-only guarded steps too: a cost-learning policy reads the base cost
+            # from them (the paper's law ignores steps without prompt tokens).
             observed = latency
             self.policy.observe(latency, cap=stamp.cap, shape=stamp.shape)
         if self.budget is not None and stamp.budgeted:
@@ -159,8 +163,14 @@ class StepObserver:
         )
 
 
+def step_shape(plan) -> StepShape:
+    """The shape of a backend StepPlan (its decodes' positions and its prompt chunks)."""
+    return plan_shape([d.position for d in plan.decodes], [(c.start, len(c.token_ids)) for c in plan.prefills])
+
+
 def plan_shape(decode_positions: list[int], chunks: list[tuple[int, int]]) -> StepShape:
-    """A step's shape from its decode positions and its prompt chunks as (start, n_tokens)."""
+    """A step's shape from its decode positions and its prompt chunks as (start, n_tokens);
+    a chunk covers positions start .. start+n-1, whose sum is n*start + n(n-1)/2."""
     prefill_sum = sum(n * start + n * (n - 1) // 2 for start, n in chunks)
     return StepShape(
         n_decode=len(decode_positions),

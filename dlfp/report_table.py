@@ -29,10 +29,11 @@ def laptop_table(summary: dict, console: Console | None = None) -> None:
         ("bg prefill tok/s", "bg_prefill_tokens_per_s"),
         ("bg docs done", "bg_docs_done"),
         ("requests failed", "requests_failed"),
+        ("zero-cap steps", "zero_cap_steps"),
         ("wall (s)", "wall_s"),
     ]
     for label, key in rows:
-        table.add_row(label, *[_fmt(p[key]) for p in pol.values()])
+        table.add_row(label, *[_fmt(p.get(key)) for p in pol.values()])
     table.add_row("energy J/out token", *[_fmt(p["energy"].get("j_per_output_token")) for p in pol.values()])
     table.add_row("peak temp (C)", *[_fmt(p["energy"].get("peak_temp_c")) for p in pol.values()])
     console.print(table)

@@ -6,7 +6,8 @@ Each step, in order:
 
 How many prompt tokens join:
 - guarded step (a protected sequence decodes): at most the policy's cap, shared by
-  all prompts of the step;
+  all prompts of the step; a cap of 0 keeps every background prompt out, while a
+  foreground prompt (a second chat) still advances one token per step;
 - foreground prompt with no protected decode beside it: full batches;
 - background prompt with no protected decode beside it: at most the preemption
   budget's token count, so a foreground message that arrives meanwhile waits at
@@ -206,6 +207,8 @@ class Scheduler:
             if seq.priority == BACKGROUND and not background:
                 break  # prefilling is sorted foreground first
             limit = room
+            if cap == 0 and guarded and seq.priority == FOREGROUND and not counts[FOREGROUND]:
+                limit = 1  # a second chat must not starve behind the first one's decode
             if seq.priority == BACKGROUND and not guarded:
                 if fg_loading:
                     break  # the foreground prompt gets the whole device

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -30,17 +32,26 @@ PRIORITIES = tuple(Priority)
 _ids = itertools.count()
 
 
+SEED_SPACE = 2**64  # generator seeds are taken modulo this: any integer maps to one, deterministically
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy, so outputs compare exactly across policies
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # any integer (OpenAI allows negative seeds); stored as seed mod 2**64
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            # numpy's generators take only non-negative seeds: -1 becomes 2**64 - 1, as two's complement reads it.
+            object.__setattr__(self, "seed", int(self.seed) % SEED_SPACE)
 
 
 @dataclass
@@ -59,6 +70,12 @@ class Request:
 
     def validate(self, vocab_size: int, context: int) -> None:
         """Raise ValueError with a message a user can act on."""
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
+        if not isinstance(self.request_id, str) or not isinstance(self.tag, str):
+            raise ValueError("request_id and tag must be strings")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {[str(p) for p in PRIORITIES]}, got {self.priority!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -70,9 +87,13 @@ class Request:
                 f"prompt of {len(self.prompt_ids)} tokens does not fit the context of "
                 f"{context} tokens per sequence"
             )
-        bad = next((t for t in self.prompt_ids if not 0 <= t < vocab_size), None)
+        bad = next((t for t in self.prompt_ids if not _is_index(t) or not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+            raise ValueError(f"token id {bad!r} is outside the vocabulary (0 to {vocab_size - 1})")
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class Status(enum.Enum):

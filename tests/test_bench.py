@@ -107,6 +107,35 @@ def test_sweep_frontier():
     rows.append({"policy": "fixed:16", "itl_p99_ms": 80, "x": 50})
     s = sweep_summary(rows, ["unbounded", "fixed:8", "fixed:16", "fixed:32", "dlfp"], "x", 100.0)
     assert s["dominated_by"] == ["fixed:16"] and not s["dlfp_on_frontier"]
+    assert s["verdict"].startswith("FAIL") and "dominated by fixed:16" in s["verdict"]
+
+
+def test_sweep_verdict_asks_first_whether_dlfp_met_the_target():
+    # The case the old verdict got wrong: DLFP's throughput ratio looked fine, but its P99
+    # (123 ms) missed the 100 ms target that fixed:8 (91 ms) met in every trial.
+    rows = [{"policy": p, "seed": k, "itl_p99_ms": itl + k, "x": x + k} for k in range(3) for p, itl, x in (
+        ("fixed:4", 67, 60), ("fixed:8", 91, 70), ("fixed:16", 160, 80), ("dlfp", 123, 71))]
+    s = sweep_summary(rows, ["unbounded", "fixed:4", "fixed:8", "fixed:16", "dlfp"], "x", 100.0)
+    assert not s["dlfp_meets_target"]
+    assert s["fixed_meeting_target"] == ["fixed:4", "fixed:8"]
+    assert s["verdict"].startswith("FAIL: DLFP missed the target")
+    assert "fixed:4, fixed:8 met it in every trial and DLFP did not" in s["verdict"]
+    p = s["points"]["fixed:8"]
+    assert p["trials"] == 3 and p["itl_p99_ms"] == pytest.approx(92)
+    assert p["itl_p99_interval"]["low"] < 92 < p["itl_p99_interval"]["high"]
+    # One trial over 1.1 T is enough to miss: "met" means in every trial.
+    for r in rows:
+        if r["policy"] == "dlfp":
+            r["itl_p99_ms"] = 100 if r["seed"] else 111
+    s = sweep_summary(rows, ["unbounded", "fixed:4", "fixed:8", "fixed:16", "dlfp"], "x", 100.0)
+    assert not s["dlfp_meets_target"]
+    for r in rows:
+        if r["policy"] == "dlfp":
+            r["itl_p99_ms"] = 105
+    s = sweep_summary(rows, ["unbounded", "fixed:4", "fixed:8", "fixed:16", "dlfp"], "x", 100.0)
+    assert s["dlfp_meets_target"] and s["best_fixed_meeting_target"] == "fixed:8"
+    assert s["dlfp_throughput_ratio_to_best"] == pytest.approx(72 / 71)
+    assert s["verdict"].startswith("PASS")
 
 
 def test_trace_round_trip(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from dlfp.backends import conformance
 from dlfp.backends.conformance import CHECKS, FAIL, PASS, SKIP, run_check
-from dlfp.backends.protocol import Backend, StepResult
+from dlfp.backends.protocol import Backend, Limits, StepResult
 
 
 def _llamacpp(tmp):
@@ -29,7 +29,7 @@ def _executorch(tmp, multi_sequence=True):
 
     from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig
 
-    cfg = ExecuTorchConfig(str(tiny_pte(tmp)), n_seq=4, max_batch_tokens=128, n_threads=1, multi_sequence=multi_sequence)
+    cfg = ExecuTorchConfig(str(tiny_pte(tmp)), Limits(4, 2048, 128), n_threads=1, multi_sequence=multi_sequence)
     return ExecuTorchBackend(cfg)
 
 

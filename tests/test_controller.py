@@ -1,5 +1,9 @@
 import pytest
 
+import math
+import random
+from dataclasses import asdict
+
 from dlfp.controller import (
     CADENCE,
     COMPLETION,
@@ -7,7 +11,10 @@ from dlfp.controller import (
     UNREACHABLE_AFTER,
     DLFPParams,
     FixedCap,
+    StepShape,
+    TailDLFP,
     Unbounded,
+    make_budget_policy,
     next_cap,
     parse_policy,
 )
@@ -18,9 +25,12 @@ PAPER = DLFPParams(target_s=0.080, initial=3072, minimum=1024, maximum=6144, qua
 def test_paper_vector():
     # Section 3.1: a live update from 3072 to 4224 tokens after a 57.51 ms observation.
     assert next_cap(3072, 0.080, 0.05751, PAPER) == 4224
-    c = DLFP(PAPER)
+    c = parse_policy("dlfp-paper", PAPER)
     c.observe(0.05751)
     assert c.cap() == 4224
+    cad = parse_policy("dlfp-cadence", PAPER)
+    cad.observe(0.05751)
+    assert cad.cap() == 4224
 
 
 def test_clamps():
@@ -101,8 +111,15 @@ def test_parse_policy():
     assert isinstance(parse_policy("unbounded", PAPER), Unbounded)
     assert parse_policy("unbounded", PAPER).cap() is None
     assert parse_policy("fixed:32", PAPER).cap() == 32
+    assert isinstance(parse_policy("dlfp", PAPER), TailDLFP)
     assert parse_policy("dlfp", PAPER).source == COMPLETION
+    paper = parse_policy("dlfp-paper", PAPER)
+    assert isinstance(paper, DLFP) and paper.source == COMPLETION and paper.name == "dlfp-paper"
     assert parse_policy("dlfp-cadence", PAPER).source == CADENCE
+    # The paper's law runs as published, even where a profile limits growth.
+    grown = parse_policy("dlfp-paper", DLFPParams(0.1, 8, 1, 256, 1, max_growth=1.25))
+    grown.observe(0.02)
+    assert grown.cap() == 40
     for bad in ("fixed:x", "fixed:-3", "magic"):
         with pytest.raises(ValueError):
             parse_policy(bad, PAPER)
@@ -116,3 +133,190 @@ def test_max_growth_limits_only_growth():
     assert next_cap(3072, 0.080, 0.05751, PAPER) == 4224  # the paper's law is untouched by default
     with pytest.raises(ValueError):
         DLFPParams(0.1, 8, 1, 256, 1, max_growth=1.0)
+
+
+def test_describe_serialises_every_parameter():
+    p = DLFPParams(0.1, 8, 1, 256, 1, max_growth=1.25)
+    for name in ("dlfp", "dlfp-paper", "dlfp-cadence"):
+        d = parse_policy(name, p).describe()
+        assert d["name"] == name and d["target_ms"] == pytest.approx(100)
+        for key, value in asdict(p).items():
+            assert key in ("max_growth", "target_s") or d[key] == value
+    assert parse_policy("dlfp", p).describe()["max_growth"] == 1.25
+    assert parse_policy("dlfp-paper", p).describe()["max_growth"] is None
+
+
+# -- the tail-aware controller on synthetic step costs ---------------------------------
+# A CPU-like step: 14 ms with no prompt token, 12 ms per prompt token near the start of a
+# context plus 6 ms per token per 1,024 positions; multiplicative log-normal noise.
+CPU = DLFPParams(0.100, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
+
+
+def cost_ms(n: int, pos: float, factor: float = 1.0) -> float:
+    return factor * (14.0 + n * (12.0 + 6.0 * pos / 1024))
+
+
+def drive(policy, steps: int, rng: random.Random, sigma: float = 0.0, factor=lambda k: 1.0,
+          pos_of=lambda k: 0, reset_every: int | None = None, idle_every: int = 5):
+    """Run `steps` guarded steps; returns (latencies in ms, caps asked).
+
+    Every `idle_every`-th step no prompt is pending (a decode-only guarded step); a
+    decode-only step is observed as the engine does, with a shape of no prompt tokens.
+    """
+    lat, caps = [], []
+    for k in range(steps):
+        if reset_every and k % reset_every == 0:
+            policy.reset()
+        cap = policy.cap()
+        caps.append(cap)
+        if cap == 0 or (idle_every and k % idle_every == idle_every - 1):
+            ms = cost_ms(0, 0, factor(k)) * math.exp(rng.gauss(0, sigma))
+            lat.append(ms)
+            policy.observe(ms / 1e3, cap=0, shape=StepShape(1, 0, 0, 0))
+            continue
+        pos = pos_of(k)
+        ms = cost_ms(cap, pos, factor(k)) * math.exp(rng.gauss(0, sigma))
+        lat.append(ms)
+        policy.observe(ms / 1e3, cap=cap, shape=StepShape(1, cap, cap * pos + cap * (cap - 1) // 2, 0))
+    return lat, caps
+
+
+def quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def best_cap(target_ms: float, pos: float, spread: float = 1.0) -> int:
+    """The largest cap whose step meets the target at the given spread."""
+    return max(n for n in range(0, 257) if cost_ms(n, pos) * spread <= target_ms)
+
+
+def test_tail_converges_cold_within_150_steps_and_after_a_reset_at_once():
+    # Noise-free. Cold: from `initial` the cap reaches the best cap within 150 guarded steps
+    # and stays. After a reset: the first cap is already right (no climb from `initial`).
+    c = TailDLFP(CPU)
+    _, caps = drive(c, 300, random.Random(0))
+    right = best_cap(100 / c.spread(), 0)
+    assert all(cap == right for k, cap in enumerate(caps) if k >= 150 and k % 5 != 4)
+    c.reset()
+    assert c.cap() == right
+    # ... and the paper's law, by contrast, starts every turn at `initial`.
+    paper = parse_policy("dlfp-paper", CPU)
+    drive(paper, 60, random.Random(0))
+    paper.reset()
+    assert paper.cap() == CPU.initial
+
+
+def test_tail_holds_the_quantile_under_noise():
+    # Log-normal noise with sigma 0.15 (P99/median about 1.42, as measured on a 2-core CPU).
+    rng = random.Random(7)
+    c = TailDLFP(CPU)
+    lat, caps = drive(c, 3000, rng, sigma=0.15, pos_of=lambda k: (k * 3) % 1536, reset_every=50)
+    steady = lat[300:]
+    assert quantile(steady, 0.99) <= 100 * 1.1  # the stated bound: P99 within 1.1 T
+    assert quantile(steady, 0.90) >= 100 * 0.6  # and not by giving the work away
+    # The paper's law aims the mean at T: its P99 lands far above it under the same noise.
+    paper_lat, _ = drive(parse_policy("dlfp-paper", CPU), 3000, random.Random(7), sigma=0.15,
+                         pos_of=lambda k: (k * 3) % 1536, reset_every=50)
+    assert quantile(paper_lat[300:], 0.99) > 100 * 1.2
+
+
+def test_tail_recovers_after_a_cost_shift():
+    rng = random.Random(3)
+    c = TailDLFP(CPU)
+    shift = lambda k: 2.0 if 400 <= k < 800 else 1.0  # noqa: E731
+    lat, caps = drive(c, 1200, rng, sigma=0.05, factor=shift)
+    # Within 10 steps of the shift the steps are back under 1.1 T and stay there.
+    assert max(lat[410:800]) <= 110
+    assert max(caps[410:800]) < min(caps[300:400])
+    # After it ends the cap climbs back to (at least 80% of) its earlier level within 50 steps.
+    assert sum(caps[850:1200]) / 350 >= 0.8 * sum(caps[300:400]) / 100
+
+
+def test_tail_never_leaves_its_bounds():
+    p = DLFPParams(0.100, 8, 4, 16, 2, zero_cap=False)
+    c = TailDLFP(p)
+    rng = random.Random(1)
+    for k in range(500):
+        cap = c.cap()
+        assert 4 <= cap <= 16 and cap % 2 == 0
+        ms = rng.choice([0.5, 5, 50, 500, 5000])  # wild observations
+        c.observe(ms / 1e3, cap=cap, shape=StepShape(1, cap, cap * k, 0))
+    # With cap 0 allowed, the cap is 0 or within [minimum, maximum].
+    c = TailDLFP(DLFPParams(0.100, 8, 4, 16, 2, zero_cap=True))
+    for k in range(500):
+        cap = c.cap()
+        assert cap == 0 or 4 <= cap <= 16
+        c.observe(rng.choice([0.5, 5, 50, 500, 5000]) / 1e3, cap=cap or 4, shape=StepShape(1, cap or 4, 0, 0))
+
+
+def test_tail_holds_background_out_when_even_the_minimum_breaks_the_target_and_probes():
+    # The decode alone costs 90 ms, one prompt token 30 ms: even one token breaks 100 ms.
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    caps = []
+    for _ in range(200):
+        cap = c.cap()
+        caps.append(cap)
+        c.observe((90 + 30 * cap) / 1e3, cap=cap, shape=StepShape(1, cap, 0, 0))
+    assert caps[-100:].count(0) >= 90  # background kept out ...
+    assert 0 < caps[-100:].count(1) <= 100 // c.params.probe_every + 1  # ... but probed
+    assert c.zero_steps >= 90
+    assert c.target_unreachable  # every probe at the minimum missed
+
+
+def test_tail_unreachable_flagged_without_zero_cap():
+    c = TailDLFP(DLFPParams(0.020, 64, 4, 512, 4, zero_cap=False))
+    for _ in range(50):
+        tokens = c.cap()
+        c.observe(0.030 + 0.001 * tokens, cap=tokens, shape=StepShape(1, tokens, 0, 0))
+    assert c.cap() == 4 and c.target_unreachable
+
+
+def test_tail_leaves_zero_when_the_device_frees_up():
+    # A neighbour triples the decode-only cost for a while: the cap drops to 0, and the
+    # decode-only steps observed meanwhile bring it back soon after the neighbour leaves.
+    c = TailDLFP(CPU)
+    lat, caps = drive(c, 900, random.Random(5), sigma=0.05, factor=lambda k: 4.0 if 300 <= k < 600 else 1.0)
+    assert caps[350:600].count(0) >= 200
+    assert max(lat[310:600]) <= 110 or sorted(lat[310:600])[-3] <= 110  # at most a probe or two above
+    back = next(k for k in range(600, 900) if caps[k] > 0)
+    assert back - 600 <= 20
+    assert sum(caps[700:900]) / 200 >= 0.8 * sum(caps[200:300]) / 100
+
+
+def test_tail_reachable_target_is_not_flagged():
+    c = TailDLFP(DLFPParams(0.1, 8, 2, 256, 2))
+    lat, caps = drive(c, 5 * UNREACHABLE_AFTER, random.Random(0))
+    assert not c.target_unreachable
+    assert min(caps[UNREACHABLE_AFTER:]) >= 2
+
+
+def test_tail_without_shape_learns_from_the_cap():
+    # The vLLM plug-in passes only (latency, cap): the model learns from the cap as the token count.
+    c = TailDLFP(CPU)
+    for _ in range(100):
+        cap = c.cap()
+        c.observe(cost_ms(cap, 0) / 1e3, cap=cap)
+    # With no decode-only step seen, the base is unknown: k = L/n, the proportional law's
+    # fixed point, at most one token short of the best cap.
+    assert best_cap(100 / c.spread(), 0) - 1 <= c.cap() <= best_cap(100 / c.spread(), 0)
+
+
+def test_budget_policy_sizes_isolated_chunks_to_the_budget():
+    b = make_budget_policy(0.5, 32, 512)
+    assert b.cap() == 32
+    for _ in range(100):
+        cap = b.cap()
+        assert 1 <= cap <= 512
+        b.observe(cost_ms(cap, 0) / 1e3, cap=cap, shape=StepShape(0, cap, 0, 0))
+    assert cost_ms(b.cap(), 0) <= 500
+    assert cost_ms(b.cap(), 0) >= 500 / b.spread() - 12.0  # within one token of the setpoint
+    with pytest.raises(ValueError):
+        make_budget_policy(0.0, 32, 512)
+
+
+def test_tail_params_validated():
+    for bad in (dict(quantile=1.0), dict(quantile=0.2), dict(window=2), dict(forgetting=0.1),
+                dict(prior_spread=0.5), dict(probe_every=0)):
+        with pytest.raises(ValueError):
+            DLFPParams(0.1, 8, 1, 256, 1, **bad)

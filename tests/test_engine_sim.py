@@ -190,3 +190,59 @@ def test_finished_requests_leave_nothing_behind():
     assert not engine._handles and not engine._seqs and not engine._rngs
     assert sum(1 for e in events if e.finish_reason) == 50
     engine.shutdown()
+
+
+def test_cost_doubling_mid_run_the_tail_cap_follows():
+    # SIMULATED: the cost of every step doubles after 150 steps; the tail-aware cap
+    # shrinks to what the doubled cost allows and the capped steps return under 1.1 T.
+    from dlfp.controller import StepShape, TailDLFP  # noqa: F401
+
+    params = DLFPParams(0.1, 4, 1, 256, 1, max_growth=1.25)
+    clock = VirtualClock()
+    backend = SimBackend(SimCost(), clock=clock)
+    engine = Engine(backend, TailDLFP(params), EngineConfig(preemption_budget_s=0.5), clock=clock.now)
+
+    def shift(rec):
+        if len(engine.trace.steps) == 150:
+            backend.cost_factor = 2.0
+
+    engine.step_hooks.append(shift)
+    engine.start()
+    handles = [engine.submit(Request([1 + k % 997 for k in range(1500)], 4, BACKGROUND, request_id=f"bg{i}")) for i in range(3)]
+    handles.append(engine.submit(Request(list(range(3, 40)), 400, FOREGROUND, ignore_eos=True, request_id="fg")))
+    for h in handles:
+        assert h.result(timeout=120).ok
+    engine.shutdown(abort_pending=False)
+    steps = engine.trace.steps
+    capped = [(i, s) for i, s in enumerate(steps) if s.guarded and s.n_prefill_bg]
+    before = [s.cap for i, s in capped if 100 <= i < 150]
+    after = [s for i, s in capped if i >= 165]
+    assert before and after
+    assert max(s.cap for s in after) < min(before)  # the cap followed the cost down
+    assert all(s.duration_s <= 0.110 for s in after)  # and the steps are back under 1.1 T
+    assert all(s.duration_s <= 0.110 for i, s in capped if 40 <= i < 150)  # as before the shift
+
+
+def test_replay_noise_from_a_recorded_trace(tmp_path):
+    # SIMULATED backend replaying a step trace: fitted cost and per-step ratios, in order.
+    import json
+
+    from dlfp.backends.sim import replay_noise
+
+    rows = []
+    for k in range(40):
+        n = k % 7
+        ratio = 1.5 if k % 10 == 0 else 1.0
+        rows.append({"duration_s": (0.010 + 0.002 * n) * ratio, "n_decode": 1, "n_prefill_fg": 0, "n_prefill_bg": n})
+    path = tmp_path / "steps-dlfp.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    noise = replay_noise(path)
+    assert noise.fitted.prefill_token_s == pytest.approx(0.002, rel=0.15)
+    assert len(noise.ratios) == 40 and noise.ratios[0] > 1.3 > noise.ratios[1]
+    backend = SimBackend(noise=noise)
+    from dlfp.backends.protocol import DecodeItem, StepPlan
+
+    plan = StepPlan(decodes=[DecodeItem(0, 1, 5)])
+    first, second = backend.time_step(plan), backend.time_step(plan)
+    assert first / second == pytest.approx(noise.ratios[0] / noise.ratios[1])
+    assert backend.describe()["simulated"] is True

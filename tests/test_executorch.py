@@ -12,7 +12,7 @@ pytest.importorskip("executorch")
 from tiny_pte import TINY, tiny_pte  # noqa: E402
 
 from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig, ModelLoadError  # noqa: E402
-from dlfp.backends.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.backends.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def pte(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(pte):
-    b = ExecuTorchBackend(ExecuTorchConfig(str(pte), n_seq=2, max_batch_tokens=160, n_threads=1))
+    b = ExecuTorchBackend(ExecuTorchConfig(str(pte), Limits(2, 2048, 160), n_threads=1))
     yield b
     b.close()
 
@@ -149,7 +149,7 @@ def test_load_errors_are_one_clear_line(tmp_path, pte):
 
 
 def test_etdump_durations_and_a_dead_worker(pte):
-    b = ExecuTorchBackend(ExecuTorchConfig(str(pte), n_seq=1, n_threads=1, etdump=True))
+    b = ExecuTorchBackend(ExecuTorchConfig(str(pte), Limits(1, 2048, 256), n_threads=1, etdump=True))
     try:
         ids = b.tokenize("ETDump times each execute inside the runtime. " * 2)
         r = b.step(StepPlan(prefills=[PrefillChunk(0, ids, 0, True)]))

@@ -10,7 +10,7 @@ pytest.importorskip("tvm")
 from dlfp.backends.mlc.model_dir import CONFIG_NAME, ModelFolderError  # noqa: E402
 from dlfp.backends.mlc.step import MLCStepBackend, StepConfig  # noqa: E402
 from dlfp.backends.mlc.tokenizer import ByteTokenizer  # noqa: E402
-from dlfp.backends.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.backends.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
 from dlfp.controller import DLFP, DLFPParams, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402
@@ -29,7 +29,7 @@ def tiny_mlc(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(tiny_mlc):
-    b = MLCStepBackend(StepConfig(str(tiny_mlc), max_sequences=4, context=1024, prefill_chunk_size=128, n_threads=1))
+    b = MLCStepBackend(StepConfig(str(tiny_mlc), Limits(4, 1024, 128), n_threads=1))
     yield b
     b.close()
 
@@ -114,7 +114,7 @@ def test_rewinding_a_sequence_recomputes_from_the_given_position(backend):
 @pytest.mark.parametrize(
     "plan, message",
     [
-        (StepPlan(prefills=[PrefillChunk(0, [1] * 129, 0, True)]), "exceeds prefill_chunk_size"),
+        (StepPlan(prefills=[PrefillChunk(0, [1] * 129, 0, True)]), "exceeds max_batch_tokens"),
         (StepPlan(decodes=[DecodeItem(0, 1, 0)], prefills=[PrefillChunk(0, [1], 0, True)]), "twice"),
         (StepPlan(prefills=[PrefillChunk(0, [999], 0, True)]), "outside the vocabulary"),
         (StepPlan(prefills=[PrefillChunk(9, [1], 0, True)]), "slot 9"),

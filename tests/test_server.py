@@ -153,11 +153,15 @@ BAD = [
     ("negative max_tokens", {"prompt": [5, 6], "max_tokens": -3}, 400, "max_tokens"),
     ("huge max_tokens", {"prompt": [5, 6], "max_tokens": 10**9}, 400, "max_tokens"),
     ("prompt past the context", {"prompt": [5] * 3000, "max_tokens": 4}, 400, "prompt"),
-    ("token outside the vocabulary", {"prompt": [5, 10**6], "max_tokens": 4}, 400, None),
+    ("token outside the vocabulary", {"prompt": [5, 10**6], "max_tokens": 4}, 400, "prompt"),
     ("unknown model", {"prompt": [5, 6], "model": "gpt-9"}, 404, "model"),
     ("bad priority", {"prompt": [5, 6], "priority": "urgent"}, 400, "priority"),
     ("temperature out of range", {"prompt": [5, 6], "temperature": 7}, 400, "temperature"),
     ("n > 1", {"prompt": [5, 6], "n": 3}, 400, "n"),
+    ("seed not an integer", {"prompt": [5, 6], "seed": 0.5}, 400, "seed"),
+    ("stream_options not an object", {"prompt": [5, 6], "stream_options": 5}, 400, "stream_options"),
+    ("too many stop strings", {"prompt": [5, 6], "stop": [str(i) for i in range(50)]}, 400, "stop"),
+    ("boolean token id", {"prompt": [5, True], "max_tokens": 2}, 400, "prompt"),
 ]
 
 
@@ -171,6 +175,53 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, name, bod
     assert err["param"] == param
     ok = server.http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_one_request_cannot_stop_the_engine(server):
+    """Issue 13: a negative seed (OpenAI allows them) raised inside the engine loop and
+    stopped it for everyone; a tiny temperature gave a 500 instead of near-greedy text."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    greedy = server.http.post("/v1/completions", json=body | {"temperature": 0}).json()["choices"][0]["token_ids"]
+    for seed in (-1, -(2**63)):
+        r = server.http.post("/v1/completions", json=body | {"seed": seed, "temperature": 1.0})
+        assert r.status_code == 200, r.text
+    r = server.http.post("/v1/completions", json=body | {"temperature": 5e-324})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy, r.text
+    r = server.http.post("/v1/chat/completions", json={"messages": ["x"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert server.http.get("/health").status_code == 200
+    assert server.http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_not_json_and_method_not_allowed(server):
+    r = server.http.post("/v1/completions", content=b'{"prompt": [5, 6]}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415, r.text  # a web page's no-preflight POST is refused
+    r = server.http.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers.get("allow") == "POST", r.headers
+
+
+def test_api_key_from_the_environment_and_limits(model, monkeypatch):
+    monkeypatch.setenv("DLFP_API_KEY", "k-123")
+    s = Server(model, "--policy", "unbounded", "--max-body-mb", "0.01", "--max-tokens-limit", "5")
+    try:
+        r = s.http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        good = openai.OpenAI(base_url=s.base, api_key="k-123", max_retries=0)
+        out = good.completions.create(model="tiny-chat", prompt=[5, 6, 7], extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 5  # --max-tokens-limit is the default when none is asked
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.base, api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.APIStatusError) as exc:
+            good.completions.create(model="tiny-chat", prompt="x" * 20000, max_tokens=2)
+        assert exc.value.status_code == 413
+        with pytest.raises(openai.BadRequestError):
+            good.completions.create(model="tiny-chat", prompt=[5, 6], max_tokens=6)
+        r = s.http.get("/health")
+        assert r.status_code == 200
+        r = s.http.get("/health", headers={"Host": "rebound.example"})
+        assert r.status_code == 400
+    finally:
+        s.stop()
 
 
 def test_bad_chat_input(server):
@@ -270,7 +321,7 @@ def test_endpoint_target_refuses_a_dead_url():
 
 
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
-    s = Server(model, "--policy", "unbounded", "--shutdown-grace", "2")
+    s = Server(model, "--policy", "unbounded", "--shutdown-grace", "3")
     assert s.metric("dlfp_prefill_cap_tokens") != s.metric("dlfp_prefill_cap_tokens")  # NaN: no cap
     ends: dict[str, tuple[str, str]] = {}
 
@@ -283,7 +334,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
         ends[name] = (json.loads(lines[0][6:])["id"], "error" if "error" in last else "finished")
 
     started = {k: threading.Event() for k in ("short", "long")}
-    threads = [threading.Thread(target=run, args=(k, n, started[k])) for k, n in (("short", 200), ("long", LONG))]
+    threads = [threading.Thread(target=run, args=(k, n, started[k])) for k, n in (("short", 50), ("long", LONG))]
     try:
         for t in threads:
             t.start()
@@ -293,6 +344,15 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
             time.sleep(0.02)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
+        # While draining, a new client is answered (not refused at TCP level): 503 and a draining /health.
+        deadline = time.monotonic() + 5
+        while "draining" not in s.http.get("/health").text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with httpx.Client(base_url=s.root, timeout=10) as fresh:
+            health = fresh.get("/health")
+            late = fresh.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
         for t in threads:
             t.join(30)
         rc = s.proc.wait(30)
@@ -300,7 +360,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
     finally:
         s.stop()
     assert time.monotonic() - t0 < 15
-    assert rc in (0, -signal.SIGTERM), log  # uvicorn re-raises the signal once it has drained
+    assert rc == 0, log  # a drain is a clean exit
     m = re.search(r"finished \d+: ([^;]*); aborted \d+: (.*)$", log, re.M)
     assert m, log
     finished, aborted = m.group(1).split(", "), m.group(2).split(", ")

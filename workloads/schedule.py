@@ -42,6 +42,8 @@ class Schedule:
     warmup: tuple[PlannedRequest, ...]
     measured: tuple[PlannedRequest, ...]  # sorted by arrival
     fingerprint: str
+    # (start, stop) of the busy neighbour process, seconds from the start of the measured run
+    neighbour_s: tuple[float, float] | None = None
 
     @property
     def expected_output_tokens(self) -> int:
@@ -70,4 +72,6 @@ def build_schedule(
     measured = tuple(sorted((p for p in planned if p.tag != WARMUP_TAG), key=lambda p: p.arrival_s))
     # The fingerprint covers every token id, arrival time and output length.
     timing = ";".join(f"{p.request_id}@{p.arrival_s:.6f}/{p.max_tokens}" for p in planned)
-    return Schedule(seed, warm, measured, fingerprint(prompts + [list(timing.encode())]))
+    span = measured[-1].arrival_s if measured else 0.0
+    neighbour = (span / 3, 2 * span / 3) if spec.neighbour else None
+    return Schedule(seed, warm, measured, fingerprint(prompts + [list(timing.encode())]), neighbour)

@@ -52,6 +52,9 @@ class WorkloadSpec:
     gate: Gate = Gate()
     shared_prefix: int = 0  # 0: nonmatching prompts
     scale: float = 1.0
+    # A CPU-bound child process competes for a core during the middle third of the
+    # measured arrivals (started and stopped by the bench, recorded in the trace).
+    neighbour: bool = False
 
     @property
     def foreground(self) -> RequestClass:
@@ -118,6 +121,24 @@ SPECS: dict[str, WorkloadSpec] = {
         ),
         SLO(5.0, 0.100, 15.0),
         warmup=1,
+    ),
+    # Conditions change mid-run: the laptop mix with documents of very different lengths
+    # (the per-token cost moves with the position in a document) and a busy neighbour
+    # process on one core during the middle third. A static cap sized for the quiet
+    # phases breaks the target in the busy one, or one sized for the busy phase wastes
+    # the quiet ones.
+    "noisy-neighbour": WorkloadSpec(
+        "noisy-neighbour",
+        "laptop mix (chat 256/64) beside short 256/8 and long 1,792/8 documents; "
+        "a CPU-bound neighbour process during the middle third",
+        (
+            RequestClass("chat", FOREGROUND, 256, 64, count=12, rate=0.15),
+            RequestClass("ingest-short", BACKGROUND, 256, 8, count=4, rate=0.05),
+            RequestClass("ingest-long", BACKGROUND, 1792, 8, count=3, rate=0.04),
+        ),
+        SLO(5.0, 0.100, 15.0),
+        warmup=1,
+        neighbour=True,
     ),
     # Do no harm: prompts short enough that an unbounded step already meets the
     # CPU profile's 100 ms target, at a light rate. DLFP must not make it worse.

@@ -19,9 +19,7 @@ def from_profile(model_path: str | None, profile, n_threads: int | None = None):
     return MLCStepBackend(
         StepConfig(
             model_dir=str(model_path),
-            max_sequences=profile.max_sequences,
-            context=profile.context_per_sequence,
-            prefill_chunk_size=profile.max_batch_tokens,
+            limits=profile.limits,
             n_threads=n_threads,
         )
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from dlfp.backends.protocol import (
     Backend,
     BackendError,
     Capabilities,
+    Limits,
     ModelLoadError,
     StepPlan,
     StepResult,
@@ -40,9 +41,8 @@ CREATE_KV = ("create_tir_paged_kv_cache", "create_paged_kv_cache")  # MLC's name
 @dataclass(frozen=True)
 class StepConfig:
     model_dir: str
-    max_sequences: int = 4
-    context: int = 4096  # positions per sequence (capped by the model's context window)
-    prefill_chunk_size: int = 512  # tokens one step may carry
+    # Context is also capped by the model's context window; max_batch_tokens is MLC's prefill_chunk_size.
+    limits: Limits = Limits(max_sequences=4, context_per_sequence=4096, max_batch_tokens=512)
     page_size: int = 16
     n_threads: int | None = None
 
@@ -104,7 +104,7 @@ class MLCStepBackend(Backend):
         self._kv_fn = {n: tvm.get_global_func(f"vm.builtin.kv_state_{n}") for n in KV_FUNCS}
         self.tokenizer = ByteTokenizer.from_config(cfg["tokenizer"])
         self.hidden = int(cfg["hidden_size"])
-        context = min(config.context, int(cfg["context_window_size"]))
+        context = min(config.limits.context_per_sequence, int(cfg["context_window_size"]))
         self._kv = self._create_kv(context)
         self._lengths: dict[int, int] = {}  # sequences alive in the cache -> cached positions
         self.capabilities = Capabilities(
@@ -112,9 +112,9 @@ class MLCStepBackend(Backend):
             multi_sequence=True,
             per_step_chunking=True,
             timing=TIMING_OUTPUT_READY,
-            max_sequences=config.max_sequences,
+            max_sequences=config.limits.max_sequences,
             context_per_sequence=context,
-            max_batch_tokens=config.prefill_chunk_size,
+            max_batch_tokens=config.limits.max_batch_tokens,
             vocab_size=int(cfg["vocab_size"]),
         )
 
@@ -126,13 +126,13 @@ class MLCStepBackend(Backend):
 
     def _create_kv(self, context: int):
         shape = self._tvm.runtime.ShapeTuple
-        c = self.config
+        c, lim = self.config, self.config.limits
         for name in CREATE_KV:
             if self._vm.module.implements_function(name):
                 # Pages for every sequence at full context: a step never runs out of cache.
                 return self._vm[name](
-                    shape([c.max_sequences]), shape([c.max_sequences * context]),
-                    shape([c.prefill_chunk_size]), shape([c.page_size]), shape([0]),
+                    shape([lim.max_sequences]), shape([lim.max_sequences * context]),
+                    shape([lim.max_batch_tokens]), shape([c.page_size]), shape([0]),
                 )
         raise ModelLoadError(f"compiled model in {self.folder.path} has none of {CREATE_KV}")
 
@@ -219,9 +219,7 @@ class MLCStepBackend(Backend):
             "model_path": str(self.folder.path.resolve()),
             "runtime": f"apache-tvm {self._tvm.__version__} (a stand-in for MLC-LLM's own TVM build)",
             "device": str(self.device),
-            "max_sequences": self.capabilities.max_sequences,
-            "context_per_sequence": self.capabilities.context_per_sequence,
-            "prefill_chunk_size": self.capabilities.max_batch_tokens,
+            **asdict(self.capabilities.limits()),
             "page_size": self.config.page_size,
             "n_threads": self.config.n_threads or f"tvm default ({self._tvm.runtime.num_threads()})",
             "weights": self.folder.config.get("weights"),

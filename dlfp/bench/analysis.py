@@ -9,7 +9,7 @@ covers errors, aborts, short outputs and refusals at submit.
 from __future__ import annotations
 
 from dlfp.bench.runner import TrialRun
-from dlfp.metrics import request_metrics
+from dlfp.metrics import percentile, request_metrics
 from dlfp.sequence import BACKGROUND, FOREGROUND
 from dlfp.trace import RequestRecord, StepRecord
 from dlfp.workloads.schedule import Schedule
@@ -58,7 +58,13 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     row["prefill_tok_s"] = _rate(steps, ("n_prefill_fg", "n_prefill_bg"), [(start, end)])
     row["bg_prefill_tok_s"] = _rate(steps, ("n_prefill_bg",), [(start, end)]) if bg else None
     row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), _fg_windows(fg)) if bg else None
+    done_fg = [r for r in fg if r.request_id in done_ids]
+    gaps = [b - a for r in done_fg for a, b in zip(r.token_times, r.token_times[1:])]
+    row["itl_max_ms"] = max(gaps) * 1e3 if gaps else None
     row.update(_step_stats(steps))
+    if run.neighbour is not None:
+        row["neighbour_s"] = [t - run.trace.origin for t in run.neighbour]
+        row["phases"] = _phases(done_fg, fg, steps, (start, *run.neighbour, end), bool(bg))
     row.update(_energy(run, start, end, list(records.values())))
     row["window_s"] = end - start
     row["goodput_req_s"] = row["slo_met"] / row["window_s"] if row.get("slo_met") is not None and end > start else None
@@ -100,12 +106,34 @@ def _rate(steps: list[StepRecord] | None, keys: tuple[str, ...], windows: list[t
     return tokens / length
 
 
+PHASES = ("before", "neighbour", "after")
+
+
+def _phases(done_fg: list[RequestRecord], fg: list[RequestRecord], steps: list[StepRecord] | None,
+            edges: tuple[float, float, float, float], has_bg: bool) -> dict:
+    """Per phase (before / while / after the neighbour ran): P99 and max ITL, bg tok/s beside fg."""
+    out = {}
+    windows = _fg_windows(fg)
+    for name, lo, hi in zip(PHASES, edges, edges[1:]):
+        gaps = [b - a for r in done_fg for a, b in zip(r.token_times, r.token_times[1:]) if lo <= b < hi]
+        clipped = [(max(a, lo), min(b, hi)) for a, b in windows if b > lo and a < hi]
+        p99 = percentile(gaps, 99)
+        out[name] = {
+            "itl_p99_ms": p99 * 1e3 if p99 is not None else None,
+            "itl_max_ms": max(gaps) * 1e3 if gaps else None,
+            "bg_prefill_tok_s_fg_active": _rate(steps, ("n_prefill_bg",), clipped) if has_bg else None,
+        }
+    return out
+
+
 def _step_stats(steps: list[StepRecord] | None) -> dict:
     steps = steps or []
     capped = [s for s in steps if s.capped]
     return {
         "steps": len(steps),
         "capped_steps": len(capped),
+        # guarded steps the controller kept free of background prompt tokens (a cap of 0)
+        "zero_cap_steps": sum(1 for s in steps if s.guarded and s.cap == 0),
         "capped_step_max_ms": max(s.duration_s for s in capped) * 1e3 if capped else None,
         "step_max_ms": max(s.duration_s for s in steps) * 1e3 if steps else None,
     }

@@ -41,6 +41,7 @@ class TrialRun:
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why submit raised
     max_submit_lag_s: float = 0.0  # how far behind schedule the latest submission was
     wall_s: float = 0.0
+    neighbour: tuple[float, float] | None = None  # when the busy neighbour ran (engine clock)
 
 
 def run_trial(
@@ -57,36 +58,66 @@ def run_trial(
             _wait(_submit(arm.target, p, refused))
             if on_done:
                 on_done()
-        lag = _open_loop(arm.target, schedule.measured, refused, on_done)
+        lag, neighbour = _open_loop(arm.target, schedule.measured, refused, on_done, schedule.neighbour_s)
     finally:
         trace = arm.target.close()
-    return TrialRun(schedule.seed, arm.name, order, trace, refused, lag, time.perf_counter() - t_start)
+    window = None
+    if neighbour is not None and neighbour.started_s is not None:
+        window = (neighbour.started_s, neighbour.stopped_s)
+        trace.note(f"neighbour: a CPU-bound process (pid {neighbour.proc.pid}) ran from "
+                   f"{neighbour.started_s - trace.origin:.3f} s to {neighbour.stopped_s - trace.origin:.3f} s")
+    return TrialRun(schedule.seed, arm.name, order, trace, refused, lag, time.perf_counter() - t_start, window)
 
 
-def _open_loop(target: RunTarget, planned: tuple[PlannedRequest, ...], refused: dict, on_done) -> float:
+def _open_loop(target: RunTarget, planned: tuple[PlannedRequest, ...], refused: dict, on_done,
+               neighbour_s: tuple[float, float] | None = None):
+    """Returns (largest submission lag, the Neighbour if one ran)."""
+    from dlfp.bench.neighbour import Neighbour
+
     handles: queue.Queue = queue.Queue()
     lag = [0.0]
+    neighbour = Neighbour() if neighbour_s is not None else None
+    # (time from the start, action), run by the submitter between submissions
+    events = sorted([(neighbour_s[0], neighbour.start), (neighbour_s[1], neighbour.stop)]) if neighbour else []
 
     def submitter() -> None:
         t0 = time.perf_counter()
+        pending = list(events)
         try:
             for p in planned:
+                pending = _fire(pending, t0, p.arrival_s)
                 delay = t0 + p.arrival_s - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
                 lag[0] = max(lag[0], -delay)
                 handles.put(_submit(target, p, refused))
+            _fire(pending, t0, float("inf"))
         finally:
             handles.put(_END)
 
     thread = threading.Thread(target=submitter, name="dlfp-bench-submit", daemon=True)
     thread.start()
-    while (handle := handles.get()) is not _END:
-        _wait(handle)
-        if on_done:
-            on_done()
-    thread.join()
-    return lag[0]
+    try:
+        while (handle := handles.get()) is not _END:
+            _wait(handle)
+            if on_done:
+                on_done()
+        thread.join()
+    finally:
+        if neighbour is not None:
+            neighbour.stop()  # never leave the child running
+    return lag[0], neighbour
+
+
+def _fire(events: list, t0: float, until_s: float) -> list:
+    """Run the events due before `until_s` (seconds from t0), each at its time; returns the rest."""
+    while events and events[0][0] <= until_s:
+        at, action = events.pop(0)
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        action()
+    return events
 
 
 def _submit(target: RunTarget, p: PlannedRequest, refused: dict):

@@ -7,7 +7,7 @@ from rich.table import Table
 from dlfp.bench.paired import HIGHER_IS_BETTER
 
 TRIAL_COLUMNS = (
-    ("ITL p50", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"), ("TTFT p99", "ttft_p99_ms"),
+    ("ITL p50", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"), ("ITL max", "itl_max_ms"), ("TTFT p99", "ttft_p99_ms"),
     ("E2EL p99", "e2el_p99_ms"), ("SLO", "slo_met"), ("bg tok/s", "bg_prefill_tok_s_fg_active"),
     ("J/tok", "energy_per_output_token_j"),
 )
@@ -38,6 +38,23 @@ def trials_table(rows: list[dict], console: Console) -> None:
     for r in rows:
         table.add_row(str(r["seed"]), r["policy"], f"{r['completed']}/{r['submitted']}",
                       *[_fmt(r.get(k), 3 if k.startswith("energy") else 1) for _, k in TRIAL_COLUMNS])
+    console.print(table)
+
+
+def phases_table(rows: list[dict], console: Console) -> None:
+    """Per phase of a noisy-neighbour run: before, while and after the busy process ran."""
+    rows = [r for r in rows if r.get("phases")]
+    if not rows:
+        return
+    phases = list(rows[0]["phases"])
+    table = Table(title="per phase (busy neighbour process in the middle): P99 ITL ms / max ITL ms / "
+                        "bg tok/s while the foreground is active")
+    for col in ("seed", "policy", *phases, "zero-cap steps"):
+        table.add_column(col, justify="right" if col not in ("policy",) else "left", no_wrap=True)
+    for r in rows:
+        cells = [f"{_fmt(p['itl_p99_ms'])} / {_fmt(p['itl_max_ms'])} / {_fmt(p['bg_prefill_tok_s_fg_active'])}"
+                 for p in (r["phases"][name] for name in phases)]
+        table.add_row(str(r["seed"]), r["policy"], *cells, _fmt(r.get("zero_cap_steps")))
     console.print(table)
 
 
@@ -72,20 +89,32 @@ def paired_tables(result: dict, console: Console) -> None:
 
 def sweep_lines(result: dict, console: Console) -> None:
     sw = result.get("sweep")
-    if not sw or "dlfp_on_frontier" not in sw:
+    if not sw or "verdict" not in sw:
         return
-    console.print(f"sweep ({sw['x_metric']} vs P99 ITL, target {_fmt(sw['target_ms'])} ms):")
+    bound = sw.get("bound_ms")
+    table = Table(title=f"sweep: P99 ITL vs {sw['x_metric']} (mean [95% CI] over trials); target "
+                        f"{_fmt(sw['target_ms'])} ms, met = P99 <= {_fmt(bound)} ms in every trial")
+    for col in ("arm", "trials", "P99 ITL (ms)", "worst P99", "worst ITL", "bg tok/s", "met"):
+        table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for arm, p in sw["points"].items():
-        console.print(f"  {arm:>12}: P99 ITL {_fmt(p['itl_p99_ms'])} ms, {_fmt(p['x'])} tok/s")
-    console.print(f"  DLFP on the frontier: {_fmt(sw['dlfp_on_frontier'])}"
-                  + (f" (dominated by {', '.join(sw['dominated_by'])})" if sw["dominated_by"] else ""))
-    ratio = sw["dlfp_throughput_ratio_to_best"]
-    console.print(f"  best fixed cap meeting the target: {sw['best_fixed_meeting_target'] or 'none'}; "
-                  f"DLFP throughput ratio {_fmt(ratio, 3)} (>= 0.95: {_fmt(sw['dlfp_meets_95pct'])})")
+        table.add_row(arm, str(p["trials"]), _mean_ci(p["itl_p99_ms"], p["itl_p99_interval"]),
+                      _fmt(p["itl_p99_worst_ms"]), _fmt(p["itl_max_worst_ms"]), _mean_ci(p["x"], p["x_interval"]),
+                      _fmt(p["meets_every_trial"]))
+    console.print(table)
+    console.print(f"  verdict: {sw['verdict']}")
+
+
+def _mean_ci(mean, interval) -> str:
+    if mean is None:
+        return "-"
+    if not interval or interval.get("low") is None:
+        return _fmt(mean)
+    return f"{mean:,.1f} [{interval['low']:,.1f}, {interval['high']:,.1f}]"
 
 
 def print_result(rows: list[dict], result: dict, console: Console | None = None) -> None:
     console = console or Console()
     trials_table(rows, console)
+    phases_table(rows, console)
     paired_tables(result, console)
     sweep_lines(result, console)

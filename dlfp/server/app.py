@@ -15,15 +15,28 @@ from starlette.exceptions import HTTPException
 
 from dlfp.backends.protocol import BackendError
 from dlfp.engine import Engine
-from dlfp.server.bridge import EngineBridge
+from dlfp.server.bridge import EngineBridge, engine_dead, engine_failure
 from dlfp.server.completions import make_job, resolve_priority, respond
 from dlfp.server.errors import APIError, bad_request
+from dlfp.server.exposure import Exposure, install
+from dlfp.server.limits import RequestLimits, check_text_fits, read_body
 from dlfp.server.metrics import ServerMetrics
 from dlfp.server.schemas import ChatRequest, CompletionRequest, parse, unknown_model
 
 log = logging.getLogger("dlfp.server")
 OWNED_BY = "dlfp"  # how a client (dlfp's endpoint bench) recognises a server that takes `priority`
-TRACE_KEEP = 4096  # a server runs for days: keep only the latest step/request records
+TRACE_KEEP = 512  # a server runs for days and reads no trace: keep only the latest records (for debugging)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything `dlfp serve` bounds or guards, as the command line set it."""
+
+    max_queue: int = 64
+    max_body_bytes: int = 8 * 2**20
+    max_tokens_limit: int | None = None
+    host: str = "127.0.0.1"
+    exposure: Exposure = Exposure()
 
 
 @dataclass
@@ -31,11 +44,13 @@ class ServerState:
     engine: Engine
     model_name: str
     policy: str
-    max_queue: int
+    options: ServeOptions = ServeOptions()
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine)
-        self.bridge = EngineBridge(self.engine, self.metrics, self.max_queue)
+        self.bridge = EngineBridge(self.engine, self.metrics, self.options.max_queue)
+        self.limits = RequestLimits(self.options.max_body_bytes, self.options.max_tokens_limit,
+                                    self.engine.backend.max_token_bytes())
         self.created = int(time.time())
         self.engine.step_hooks.append(self._bound_trace)
 
@@ -72,8 +87,10 @@ def create_app(state: ServerState) -> FastAPI:
         aborted = state.engine.shutdown(abort_pending=True, timeout=10.0)
         log.warning(state.summarize_shutdown(aborted))
 
-    app = FastAPI(title="dlfp", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="dlfp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _error_handlers(app)
+    install(app, state.options.exposure, state.options.host)
+    context = state.backend.capabilities.context_per_sequence
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -81,21 +98,28 @@ def create_app(state: ServerState) -> FastAPI:
         model = state.check_model(body.model)
         priority = resolve_priority(body, request.headers.get("x-priority"))
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # Chat templates render every message's content, so the contents alone bound the prompt from below.
+        check_text_fits(state.limits, sum(len(m["content"].encode()) for m in messages), context, "messages")
         try:
             ids = await run_in_threadpool(state.backend.apply_chat_template, messages)
         except BackendError as exc:
             raise bad_request(f"{exc}; send a plain prompt to /v1/completions instead", param="messages") from None
         except Exception as exc:  # the model's own Jinja template rejected these messages
             raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
-        return await respond(state.bridge, make_job(state.backend, body, ids, priority, model, True), request)
+        job = make_job(state.backend, body, ids, priority, model, True, state.limits.max_tokens_limit)
+        return await respond(state.bridge, job, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse(CompletionRequest, await _body(state, request))
         model = state.check_model(body.model)
         priority = resolve_priority(body, request.headers.get("x-priority"))
+        text = _prompt_text(body.prompt)
+        if text is not None:
+            check_text_fits(state.limits, len(text.encode()), context, "prompt")
         ids = await run_in_threadpool(_prompt_ids, state.backend, body.prompt)
-        return await respond(state.bridge, make_job(state.backend, body, ids, priority, model, False), request)
+        job = make_job(state.backend, body, ids, priority, model, False, state.limits.max_tokens_limit)
+        return await respond(state.bridge, job, request)
 
     @app.get("/v1/models")
     async def models():
@@ -106,6 +130,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        failure = engine_failure(state.engine)
+        if failure is not None:  # a supervisor should restart this server
+            return JSONResponse({"status": "failed", "error": failure, "policy": state.policy,
+                                 "in_flight": len(state.bridge.in_flight)}, status_code=503)
         load = state.engine.load() | {"free_slots": len(state.engine.scheduler.free_slots),
                                       "in_flight": len(state.bridge.in_flight)}
         status = "draining" if state.bridge.draining else "ok"
@@ -120,9 +148,16 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _body(state: ServerState, request: Request) -> bytes:
+    """The body of a request the server will take: refused while draining or when the engine is
+    down (503), and before parsing when it is not JSON (415) or too large (413)."""
     if state.bridge.draining:
-        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-    return await request.body()
+        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                       headers={"Retry-After": "5", "Connection": "close"})
+    failure = engine_failure(state.engine)
+    if failure is not None:
+        state.metrics.rejected.labels("503").inc()
+        raise engine_dead(failure)
+    return await read_body(request, state.limits.max_body_bytes)
 
 
 def _prompt_ids(backend, prompt) -> list[int]:
@@ -135,6 +170,15 @@ def _prompt_ids(backend, prompt) -> list[int]:
     return _prompt_ids(backend, prompt[0])
 
 
+def _prompt_text(prompt) -> str | None:
+    """The prompt's text when it is text (one string, or a list of exactly one)."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return None
+
+
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
@@ -143,8 +187,13 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()  # 405: Allow
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc: RequestValidationError):
         return bad_request(str(exc)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, exc: Exception):  # a bug: still an OpenAI error body, and logged
+        log.exception("unhandled error in a request")
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()

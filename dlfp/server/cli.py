@@ -21,11 +21,25 @@ from dlfp.cli import POLICY_HELP, UserError, get_profile, model_options, open_ba
 @click.option("--shutdown-grace", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM before they are aborted.")
 @click.option("--kv-unified", is_flag=True, help="llama.cpp: one KV cache shared by all sequences.")
+@click.option("--max-body-mb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
+              help="Largest request body in MiB; larger ones get HTTP 413 before they are read or tokenised.")
+@click.option("--max-tokens-limit", type=click.IntRange(1), default=None,
+              help="Most tokens one request may generate (a larger max_tokens gets HTTP 400). Also the default "
+                   "when a request omits max_tokens; without this option that default is the whole remaining "
+                   "context.")
+@click.option("--api-key", envvar="DLFP_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True,
+              help="A Host name clients may use besides the loopback names (repeatable; '*' allows any). "
+                   "Needed for a non-loopback bind: a foreign Host header gets HTTP 400.")
+@click.option("--cors-origin", "cors_origins", multiple=True,
+              help="A web origin allowed to call the API from a browser (repeatable). Default: none (CORS off).")
 def serve(model, backend, profile, threads, policy, itl_target_ms, host, port, max_queue, served_model_name,
-          shutdown_grace, kv_unified):
+          shutdown_grace, kv_unified, max_body_mb, max_tokens_limit, api_key, allowed_hosts, cors_origins):
     """An OpenAI-compatible server whose requests are foreground or background."""
     try:
-        from dlfp.server.app import ServerState
+        from dlfp.server.app import ServeOptions, ServerState
+        from dlfp.server.exposure import Exposure, is_loopback
         from dlfp.server.runner import DrainingServer
     except ImportError as exc:
         raise UserError(f"{exc}: install the server extra (pip install 'dlfp[server]')") from None
@@ -34,11 +48,21 @@ def serve(model, backend, profile, threads, policy, itl_target_ms, host, port, m
 
     prof = get_profile(profile)
     _policy_list(policy, prof, backend)
+    if not is_loopback(host) and not allowed_hosts:
+        click.echo(f"dlfp serve: --host {host} is not loopback: only requests whose Host header names "
+                   f"a loopback address{'' if host in ('0.0.0.0', '::') else ' or ' + host} are served; "
+                   f"add --allowed-host NAME for the names clients use", err=True)
+    if not is_loopback(host) and not api_key:
+        click.echo(f"dlfp serve: warning: --host {host} without --api-key: anyone who can reach the port "
+                   f"can use the model", err=True)
+    options = ServeOptions(max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
+                           max_tokens_limit=max_tokens_limit, host=host,
+                           exposure=Exposure(api_key or None, tuple(allowed_hosts), tuple(cors_origins)))
     be = open_backend(backend, model, prof, threads, kv_unified)
     name = served_model_name or Path(str(be.describe().get("model_path", backend))).stem
     # The server starts the engine (ASGI lifespan); probes and the governor run with it.
     engine = build_engine(be, policy, prof, itl_target_ms=itl_target_ms, start=False)
-    server = DrainingServer(ServerState(engine, name, policy, max_queue), host, port, shutdown_grace)
+    server = DrainingServer(ServerState(engine, name, policy, options), host, port, shutdown_grace)
     click.echo(f"dlfp serve: http://{host}:{port}/v1  model {name}  policy {policy}  profile {prof.name}", err=True)
     try:
         server.run()

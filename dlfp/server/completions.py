@@ -84,7 +84,8 @@ class Job:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
 
-def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: str, model: str, chat: bool) -> Job:
+def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: str, model: str, chat: bool,
+             max_tokens_limit: int | None = None) -> Job:
     """Check the sizes and sampling settings; every problem is a 400 naming its field."""
     context = backend.capabilities.context_per_sequence
     n_in = len(prompt_ids)
@@ -95,17 +96,28 @@ def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: s
                           param="messages" if chat else "prompt", code="context_length_exceeded")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     n_out = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    n_out = context - n_in if n_out is None else n_out
+    if n_out is None:  # the remaining context, or the server's per-request limit when it is smaller
+        n_out = context - n_in if max_tokens_limit is None else min(max_tokens_limit, context - n_in)
     if n_out < 1:
         raise bad_request(f"{param} must be at least 1, got {n_out}", param=param)
+    if max_tokens_limit is not None and n_out > max_tokens_limit:
+        raise bad_request(f"{param}={n_out} is more than this server allows per request ({max_tokens_limit}, "
+                          f"--max-tokens-limit)", param=param)
     if n_in + n_out > context:
         raise bad_request(f"{param}={n_out} plus the prompt's {n_in} tokens exceeds the context of {context} "
                           f"tokens per sequence", param=param, code="context_length_exceeded")
     temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    sampling = SamplingParams(temperature, 1.0 if body.top_p is None else body.top_p, body.seed)
+    try:
+        sampling = SamplingParams(temperature, 1.0 if body.top_p is None else body.top_p, body.seed)
+    except ValueError as exc:  # the schema checks the ranges: this is a backstop that names no field
+        raise bad_request(str(exc)) from None
     prefix = "chatcmpl" if chat else "cmpl"
     request = Request(prompt_ids, n_out, priority, sampling, body.ignore_eos,
                       request_id=f"{prefix}-{uuid.uuid4().hex[:24]}", tag="http")
+    try:  # the engine checks again at submit; here the error comes before any 429 and names its field
+        request.validate(backend.capabilities.vocab_size, context)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages" if chat else "prompt") from None
     return Job(chat, body, backend, model, request, int(time.time()))
 
 
@@ -152,16 +164,22 @@ async def _stream(job: Job, sub: Submitted, text: TextStream) -> AsyncIterator[s
                 n_out += 1
                 piece, ids = text.push(ev.token_id), [ev.token_id]
                 end = _stopped(ev) if text.stopped else await sub.final(job.is_last(ev.token_id, n_out))
+            # Counted as sent when handed to the server (before the yield, which a hang-up may interrupt).
             if end is None:
+                sub.sent(1)
                 yield _sse(job.chunk(piece, ids))
                 continue
             reason, error = _outcome(end)
             if error is not None:
                 if ids:
+                    sub.sent(1)
                     yield _sse(job.chunk(piece, ids))
+                sub.conclude(reason)
                 yield _sse(error.body())
                 break
             piece += text.flush()
+            sub.sent(len(ids or ()))
+            sub.conclude(reason)
             yield _sse(job.chunk(piece if (piece or ids) else None, ids, reason))
             if job.body.include_usage:
                 yield _sse(job.usage_chunk(n_out))
@@ -180,7 +198,7 @@ async def _collect(job: Job, sub: Submitted, text: TextStream, http: HTTPRequest
         gone.cancel()
         if not gather.done():
             gather.cancel()
-            sub.cancel()
+        sub.cancel()  # a no-op for a request that finished; frees one the client gave up on
     if not gather.done():
         return Response(status_code=499)  # nobody reads it: the client closed the connection
     return JSONResponse(gather.result())
@@ -195,12 +213,13 @@ async def _gather(job: Job, sub: Submitted, text: TextStream) -> dict:
             parts.append(text.push(ev.token_id))
             if not text.stopped:
                 continue
-            sub.cancel()
             ev = _stopped(ev)
         reason, error = _outcome(ev)
+        sub.conclude(reason)
         if error is not None:
             raise error
         parts.append(text.flush())
+        sub.sent(len(ids))
         return job.final("".join(parts), ids, reason)
 
 

@@ -25,8 +25,10 @@ class ServerMetrics:
         self.step = Histogram("dlfp_step_duration_seconds", "Completed engine step time",
                               ["guarded"], buckets=STEP_BUCKETS, registry=r)
         self.prefill = Counter("dlfp_prefill_tokens", "Prompt tokens processed, per class", ["priority"], registry=r)
-        self.generated = Counter("dlfp_generation_tokens", "Tokens generated, per class", ["priority"], registry=r)
-        self.finished = Counter("dlfp_requests", "Finished requests, per class and finish reason",
+        self.generated = Counter("dlfp_generation_tokens", "Tokens sent to clients, per class", ["priority"],
+                                 registry=r)
+        self.finished = Counter("dlfp_requests", "Finished requests, per class and the finish reason the client saw "
+                                "(abort: cut short, by a hang-up or the shutdown)",
                                 ["priority", "finish_reason"], registry=r)
         self.rejected = Counter("dlfp_requests_rejected", "Requests refused before the engine, per status code",
                                 ["status"], registry=r)

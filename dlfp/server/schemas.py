@@ -13,13 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dlfp.server.errors import APIError, bad_request
 
 
+MAX_STOPS, MAX_STOP_CHARS = 8, 256  # each token is checked against every stop string: bound the work
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -27,7 +32,7 @@ class _Common(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOPS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -41,6 +46,12 @@ class _Common(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def check_stop(self) -> None:
+        long = next((s for s in self.stop_list() if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise bad_request(f"stop strings may have at most {MAX_STOP_CHARS} characters, got {len(long)}",
+                              param="stop")
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -51,8 +62,8 @@ class _Common(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
+    model_config = STRICT
+    role: Literal[ROLES]
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
@@ -100,10 +111,12 @@ def parse(model: type[_Common], raw: bytes) -> _Common:
         err = exc.errors(include_url=False)[0]
         if err["type"] == "json_invalid":
             raise bad_request(f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
-        if err["type"] == "model_type" or not err["loc"]:
+        if not err["loc"]:
             raise bad_request("the body must be a JSON object") from None
         param = str(err["loc"][0])  # the top-level field (deeper parts name union members too)
-        raise bad_request(f"{param}: {err['msg']}", param=param) from None
+        where = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or p == err["loc"][0])
+        raise bad_request(f"{where}: {err['msg']}", param=param) from None
+    body.check_stop()
     if body.n != 1:
         raise bad_request("only n=1 is supported", param="n")
     what = body.unsupported()

@@ -17,7 +17,7 @@ class TextStream:
 
     def __init__(self, backend: Backend, stop: list[str] | None = None):
         self._backend = backend
-        self._token_bytes = getattr(backend, "token_bytes", None)
+        self._bytewise = backend.token_bytes([]) is not None  # the tokenizer has byte pieces
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._ids: list[int] = []  # only for backends without token_bytes
         self._decoded = ""
@@ -35,13 +35,13 @@ class TextStream:
         """Whatever is still held once the request has ended."""
         if self.stopped:
             return ""
-        tail = self._held + (self._decoder.decode(b"", final=True) if self._token_bytes else "")
+        tail = self._held + (self._decoder.decode(b"", final=True) if self._bytewise else "")
         self._held = ""
         return tail
 
     def _decode(self, token_id: int) -> str:
-        if self._token_bytes is not None:
-            return self._decoder.decode(self._token_bytes([token_id]))
+        if self._bytewise:
+            return self._decoder.decode(self._backend.token_bytes([token_id]))
         # Generic backends: decode everything so far and hand out the new suffix.
         self._ids.append(token_id)
         full = self._backend.detokenize(self._ids)
