@@ -41,11 +41,14 @@ if [ "$TINY" = 1 ]; then
   MODELS=${MODELS:-tiny} DEVICE=cpu DTYPE=float32 PROFILE=backends/torch/profiles/cpu-tiny-agent.toml
   REQUESTS=${REQUESTS:-6} RATE=${RATE:-4.0} SCALE=${SCALE:-0.02} THREADS=${THREADS:-1}
 else
-  MODELS=${MODELS:-qwen3-0.6b,qwen3-8b} DEVICE=cuda DTYPE=bfloat16 PROFILE=backends/torch/profiles/h200-agent.toml
+  MODELS=${MODELS:-qwen3-0.6b,qwen3-8b} DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16}
+  PROFILE=${PROFILE:-backends/torch/profiles/h200-agent.toml}
   REQUESTS=${REQUESTS:-12} RATE=${RATE:-1.0} SCALE=${SCALE:-1.0} THREADS=${THREADS:-}
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
+  fi
 fi
-"$PY" - "$DEVICE" <<'PYCHECK' || fail "python ($PY) lacks what the check needs (see above)"
+"$PY" - "$DEVICE" <<'PYCHECK' || fail "python ($PY) cannot run this check (see above)"
 import sys
 missing = []
 for mod in ("numpy", "torch"):
