@@ -78,9 +78,17 @@ PYCHECK
 mkdir -p "$OUT"
 say "models $MODELS, modes ${MODES:-sync,async}, $REQUESTS requests at $RATE/s (scale $SCALE), seed ${SEED:-801}, out $OUT"
 start=$(date +%s)
+rc=0
 timeout "${LIMIT_S:-460}" "$PY" -m dlfp.backends.torch.gpu_check --models "$MODELS" --modes "${MODES:-sync,async}" \
   --arms "${ARMS:-unbounded,dlfp-cadence,dlfp}" --profile "$PROFILE" --device "$DEVICE" --dtype "$DTYPE" \
   ${THREADS:+--threads "$THREADS"} \
   --seed "${SEED:-801}" --requests "$REQUESTS" --rate "$RATE" --scale "$SCALE" --target-ms "${TARGET_MS:-auto}" \
-  --out "$OUT"
+  --out "$OUT" || rc=$?
+if [ "$rc" != 0 ]; then
+  if [ -s "$OUT/trials.jsonl" ]; then  # cut short (time limit) or failed later: show what was measured
+    say "stopped with exit $rc after $(( $(date +%s) - start )) s; the arms measured so far:"
+    "$PY" -m dlfp.backends.torch.gpu_check --table-from "$OUT" || true
+  fi
+  fail "gpu check failed (exit $rc); results under $OUT"
+fi
 say "done in $(( $(date +%s) - start )) s; results under $OUT"

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--arms", default="unbounded,dlfp-cadence,dlfp")
-    p.add_argument("--profile", required=True)
+    p.add_argument("--profile")
+    p.add_argument("--table-from", default=None, help="only print the table of an earlier (or cut-short) run's folder")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs)")
@@ -174,8 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--target-ms", default="auto")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
     args = p.parse_args(argv)
+    if args.table_from:
+        rows = [json.loads(x) for x in (Path(args.table_from) / "trials.jsonl").read_text().splitlines() if x.strip()]
+        print(table(rows))
+        return 0
+    if not args.profile or not args.out:
+        p.error("--profile and --out are required")
     args.modes = [m for m in args.modes.split(",") if m]
     args.arms = [a for a in args.arms.split(",") if a]
     if args.arms[0] != "unbounded":
