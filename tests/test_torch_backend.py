@@ -283,3 +283,23 @@ def test_async_mode_refuses_sampling_it_cannot_do():
             eng.submit(Request(prompt(10), 4, sampling=SamplingParams(temperature=0.7)))
     finally:
         eng.shutdown()
+
+
+def test_explicit_mask_fallback_gives_the_same_logits(monkeypatch):
+    from dlfp.backends.torch import model as model_mod
+
+    ids = prompt(60)
+    ref = make()
+    ref.step(StepPlan(prefills=[PrefillChunk(0, ids[:20], 0, False)]))
+    want = ref.step(StepPlan(prefills=[PrefillChunk(0, ids[20:], 20, True)])).logits[0]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no kernel for this bias")
+
+    monkeypatch.setattr(model_mod, "causal_lower_right", refuse)
+    monkeypatch.setattr(model_mod, "_LOWER_RIGHT_OK", True)
+    b = make()
+    b.step(StepPlan(prefills=[PrefillChunk(0, ids[:20], 0, False)]))
+    got = b.step(StepPlan(prefills=[PrefillChunk(0, ids[20:], 20, True)])).logits[0]
+    assert model_mod._LOWER_RIGHT_OK is False
+    np.testing.assert_allclose(got, want, atol=1e-5)

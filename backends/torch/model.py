@@ -14,6 +14,7 @@ Attention per sequence, without copying the cache:
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,9 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from dlfp.backends.torch.config import ModelConfig
+
+log = logging.getLogger("dlfp.backends.torch")
+_LOWER_RIGHT_OK = True  # False once SDPA has refused a lower-right causal bias on this machine
 
 
 class RMSNorm(nn.Module):
@@ -128,9 +132,17 @@ class Attention(nn.Module):
             return o.view(1, self.n_heads, self.head_dim)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-        mask = causal_lower_right(seg.length, end)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                           attn_mask=mask)
+        q4, k4, v4 = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        global _LOWER_RIGHT_OK
+        if _LOWER_RIGHT_OK:
+            try:  # lets SDPA pick a fused kernel (flash when the chunk starts at 0, else mem-efficient)
+                o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(seg.length, end))
+                return o.squeeze(0).transpose(0, 1)
+            except RuntimeError as exc:  # no kernel for it here: an explicit mask always works
+                _LOWER_RIGHT_OK = False
+                log.warning("lower-right causal bias unavailable (%s); using an explicit mask", exc)
+        mask = torch.ones(seg.length, end, dtype=torch.bool, device=q.device).tril(diagonal=seg.start)
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask)
         return o.squeeze(0).transpose(0, 1)
 
 
