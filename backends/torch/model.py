@@ -26,6 +26,7 @@ from dlfp.backends.torch.config import ModelConfig
 
 log = logging.getLogger("dlfp.backends.torch")
 _LOWER_RIGHT_OK = True  # False once SDPA has refused a lower-right causal bias on this machine
+_RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +36,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 as the reference implementations do, whatever the weights' dtype.
+        # In float32 as the reference implementations do, whatever the weights' dtype;
+        # F.rms_norm (one op where torch fuses it) when this torch has it.
+        if _RMS_NORM is not None:
+            return self.weight * _RMS_NORM(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -50,9 +54,14 @@ class RotaryTable:
         angles = torch.cat([angles, angles], dim=-1)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, head_dim]; positions: [N]."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a step's positions, [N, 1, head_dim]: gathered once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [N, heads, head_dim] rotated by its rows' positions."""
+        cos, sin = cos_sin
         h = x.float()
         half = h.shape[-1] // 2
         rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
@@ -104,15 +113,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
 
-    def forward(self, x: torch.Tensor, batch: Packed, rope: RotaryTable, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Packed, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
+        q, k = RotaryTable.apply(q, cos_sin), RotaryTable.apply(k, cos_sin)
         k_cache[batch.slots, :, batch.positions] = k  # every new key/value into its slot at once
         v_cache[batch.slots, :, batch.positions] = v
         out = torch.empty_like(q)
@@ -187,8 +196,9 @@ class CausalLM(nn.Module):
     def forward(self, batch: Packed, cache: KVCache, rope: RotaryTable) -> torch.Tensor:
         """Next-token logits (float32) for `batch.logit_rows`, in that order; fills the cache."""
         h = self.model.embed_tokens(batch.tokens)
+        cos_sin = rope.at(batch.positions)
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), batch, rope, cache.k[i], cache.v[i])
+            h = h + layer.self_attn(layer.input_layernorm(h), batch, cos_sin, cache.k[i], cache.v[i])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = self.model.norm(h[batch.logit_rows])
         return self.lm_head(last).float()
