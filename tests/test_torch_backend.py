@@ -303,3 +303,23 @@ def test_explicit_mask_fallback_gives_the_same_logits(monkeypatch):
     got = b.step(StepPlan(prefills=[PrefillChunk(0, ids[20:], 20, True)])).logits[0]
     assert model_mod._LOWER_RIGHT_OK is False
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_async_mode_with_eos_and_slot_reuse_matches_sync():
+    """Sequences stop on EOS while a step that decodes them is already in flight, and their
+    slots are reused at once: the stale tokens are dropped and nobody else's change."""
+    from dlfp.sequence import Request, SamplingParams
+
+    def requests():
+        return [Request(prompt(20 + 13 * i, 10 + i), 16, "foreground" if i % 2 else "background",
+                        SamplingParams(temperature=0.0), False, f"e{i}") for i in range(6)]
+
+    b = make(n_seq=2, n_batch=64)
+    b.is_eos = lambda token: token % 5 == 0  # some outputs end early, at points the tokens decide
+    b.pipelined = False
+    sync, _ = _run_engine(b, "dlfp", requests)
+    b.pipelined = True
+    asyn, _ = _run_engine(b, "dlfp", requests)
+    assert {k: (r.output_ids, r.finish_reason) for k, r in asyn.items()} == {
+        k: (r.output_ids, r.finish_reason) for k, r in sync.items()}
+    assert {r.finish_reason for r in sync.values()} == {"stop", "length"}  # both endings exercised
