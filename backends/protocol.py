@@ -18,6 +18,11 @@ TIMING_SYNC_WALL = "synchronous-wall"  # the call returns when the work is done 
 TIMING_OUTPUT_READY = "output-ready"  # copying the outputs to the host forces completion
 TIMING_DEVICE_EVENT = "device-event"  # device events/callbacks bracket the work
 
+# Pipelined backends only: a decode's token id meaning "the token this slot's previous
+# step sampled on the device", so step k+1 can be launched before step k's tokens
+# reach the host (vLLM's async scheduling).
+PLACEHOLDER_TOKEN = -1
+
 
 class BackendError(Exception):
     """A request-level failure the engine records in the trace (the run goes on)."""
@@ -108,7 +113,7 @@ class StepPlan:
         return not self.decodes and not self.prefills
 
 
-def validate_plan(plan: StepPlan, caps: "Capabilities") -> None:
+def validate_plan(plan: StepPlan, caps: "Capabilities", placeholders: bool = False) -> None:
     """Refuse a plan no adapter can run, before it reaches the runtime.
 
     Runtimes answer a bad batch badly (llama.cpp asserts and kills the process on a
@@ -135,7 +140,8 @@ def validate_plan(plan: StepPlan, caps: "Capabilities") -> None:
     for d in plan.decodes:
         if not 0 <= d.position < caps.context_per_sequence:
             raise BackendError(f"sequence {d.seq_id} is at the end of its context")
-    tokens = [d.token_id for d in plan.decodes] + [t for c in plan.prefills for t in c.token_ids]
+    tokens = [d.token_id for d in plan.decodes if not (placeholders and d.token_id == PLACEHOLDER_TOKEN)]
+    tokens += [t for c in plan.prefills for t in c.token_ids]
     bad = next((t for t in tokens if not 0 <= t < caps.vocab_size), None)
     if bad is not None:
         raise BackendError(f"token id {bad} is outside the vocabulary (size {caps.vocab_size})")
@@ -146,6 +152,27 @@ class StepResult:
     logits: dict[int, np.ndarray]  # seq_id -> next-token logits (float32, vocab)
     duration_s: float  # completed work, as the adapter's timing kind measures it
     device_duration_s: float | None = None  # a device-side figure where one exists (ETDump, events)
+    # Optional: the greedy token of each logits row, sampled on the device (the torch backend).
+    # Adapters that sample nowhere leave it None; the engine samples from `logits`.
+    # Required from a pipelined backend (the next step has already consumed these tokens).
+    token_ids: dict[int, int] | None = None
+
+
+class PendingStep(ABC):
+    """A launched step (`Backend.launch`): `wait()` blocks until its results are host memory."""
+
+    @abstractmethod
+    def wait(self) -> StepResult: ...
+
+
+class DoneStep(PendingStep):
+    """A step that ran synchronously in `launch` (the default for every backend)."""
+
+    def __init__(self, result: StepResult):
+        self.result = result
+
+    def wait(self) -> StepResult:
+        return self.result
 
 
 class Backend(ABC):
@@ -164,6 +191,16 @@ class Backend(ABC):
     @abstractmethod
     def step(self, plan: StepPlan) -> StepResult:
         """Run one iteration synchronously and return once the work has completed."""
+
+    # Pipelined (async) mode: the engine launches step k+1 before it waits for step k.
+    # A backend that sets `pipelined = True` must queue work in `launch` without waiting
+    # for earlier steps, accept PLACEHOLDER_TOKEN in decodes, and return greedy
+    # `token_ids` from every step. The engine then samples greedily on the device only.
+    pipelined: bool = False
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Start a step and return its handle. Default: run it synchronously now."""
+        return DoneStep(self.step(plan))
 
     @abstractmethod
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...

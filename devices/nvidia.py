@@ -6,10 +6,14 @@ driver loaded; Volta and newer), SM clock, and the active clock event
 reason is active; the software power cap alone is reported but is normal under
 full load, so it does not count. NVML talks to the running driver, so this probe
 reads only with the real root; without the module or the driver it says why.
+Only the GPUs this process may use are read (CUDA_VISIBLE_DEVICES), so an idle GPU
+outside the run never adds its energy to the run's.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Mapping
 
 from dlfp.devices.reading import Reading, RootedProbe, live_only, unavailable
 
@@ -52,10 +56,10 @@ class NvmlProbe(RootedProbe):
         if self._nvml is None:
             return [unavailable(self.name, "nvml", self._why_not or "NVML is shut down")]
         n = self._nvml
-        count = n.nvmlDeviceGetCount()
-        if count == 0:
-            return [unavailable(self.name, "nvml", "NVML sees no GPU")]
-        return [self._gpu(i) for i in range(count)]
+        indices = visible_indices(n)
+        if not indices:
+            return [unavailable(self.name, "nvml", "NVML sees no GPU this process may use (CUDA_VISIBLE_DEVICES)")]
+        return [self._gpu(i) for i in indices]
 
     def close(self) -> None:
         if self._nvml is not None:
@@ -89,6 +93,33 @@ class NvmlProbe(RootedProbe):
             values["clock_events"] = [name for name, _ in active]
             values["throttling"] = any(throttles for _, throttles in active)
         return Reading(self.name, f"nvml:{index}", values, missing=missing)
+
+
+def visible_indices(n, environ: Mapping[str, str] | None = None) -> list[int]:
+    """NVML indices of the GPUs CUDA_VISIBLE_DEVICES lets this process use (all when unset).
+
+    Entries are UUIDs (matched through NVML, prefixes allowed) or integers, taken as NVML
+    indices (true under CUDA_DEVICE_ORDER=PCI_BUS_ID, and on machines of one GPU model).
+    As CUDA does, the list ends at the first entry that names no device.
+    """
+    env = os.environ if environ is None else environ
+    count = n.nvmlDeviceGetCount()
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return list(range(count))
+    uuids = None
+    out: list[int] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if entry.isdigit() and int(entry) < count:
+            out.append(int(entry))
+            continue
+        if uuids is None:
+            uuids = [_text(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+        match = [i for i, u in enumerate(uuids) if entry and u.startswith(entry)]
+        if not match:
+            break
+        out.append(match[0])
+    return out
 
 
 def _clock_events(n, handle) -> int:

@@ -10,6 +10,14 @@ the step observer (`dlfp.observer`) decides what the policy is fed; the engine
 runs the loop, samples, and delivers. Build one with `dlfp.assembly.build_engine`,
 which decides the policy's budget, governor and probes in one place.
 
+Pipelined mode (a backend with `pipelined = True`, like vLLM's async scheduling):
+step k+1 is planned and launched before step k's tokens reach the host; its decodes
+feed the tokens step k sampled on the device (PLACEHOLDER_TOKEN), so sampling is
+greedy on the device. The observer stamps each step when it is planned and sees it
+complete when its results are back, as in the vLLM plug-in: `dlfp` is fed
+`t_done - max(t_planned, t_previous_done)`, `dlfp-cadence` the interval between
+plannings, which no longer measures the device once steps overlap.
+
 Isolation: whatever one request carries (its sampling parameters, its callback)
 can fail that request only; a failing step fails the requests in it; the loop
 itself ends only after repeated failures it cannot pin on any request, and then
@@ -27,7 +35,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dlfp.backends.protocol import Backend, BackendError
+from dlfp.backends.protocol import Backend, BackendError, DoneStep, PendingStep
 from dlfp.controller import PrefillPolicy, make_budget_policy
 from dlfp.observer import StepObserver, step_shape
 from dlfp.sampling import sample
@@ -155,6 +163,8 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._step_no = 0
+        self.pipelined = bool(getattr(backend, "pipelined", False))
+        self._in_flight: tuple[int, PlannedStep, PendingStep] | None = None  # launched, not yet collected
         self.failure: str | None = None  # why the loop died (None while it has not)
         self.step_hooks: list[Callable[[StepRecord], None]] = []
         # Thermal governor hook: gate(now) -> (background prefill may run, label for StepRecord.governor).
@@ -192,6 +202,9 @@ class Engine:
         caps = self.backend.capabilities
         try:
             request.validate(caps.vocab_size, caps.context_per_sequence)
+            if self.pipelined and request.sampling.temperature != 0.0:
+                raise ValueError(f"{self.backend.name} runs pipelined and samples greedily on the device: "
+                                 f"temperature must be 0, got {request.sampling.temperature}")
             rng = np.random.default_rng(_seed_for(request, self.config.seed))
             with self._wake:  # the checks and the queueing are one step against a stopping loop
                 if self._stop:
@@ -276,14 +289,16 @@ class Engine:
         failures = 0
         while True:
             with self._wake:
-                if not self._inbox and not self.scheduler.has_work() and not self._stop:
+                idle = not self.scheduler.has_work() and self._in_flight is None
+                if not self._inbox and idle and not self._stop:
                     self._wake.wait(self.config.idle_wait_s)
                 inbox, self._inbox = self._inbox, []
                 stop = self._stop
             self._take(inbox)
             if stop:
+                self._drain()
                 return
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and self._in_flight is None:
                 continue
             try:
                 self._step()
@@ -293,6 +308,7 @@ class Engine:
                 log.exception("engine step failed (%d in a row)", failures)
                 if failures >= MAX_LOOP_FAILURES:
                     raise
+                self._drain()
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, f"engine step failed: {type(exc).__name__}: {exc}")
 
@@ -316,27 +332,71 @@ class Engine:
         self._step_no += 1
         obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step.plan),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label)
+        previous, self._in_flight = self._in_flight, None
         if step.plan.is_empty():
-            time.sleep(self.config.idle_wait_s)  # background held back by the governor
+            if previous is not None:  # nothing more can be planned before it is back
+                self._collect(*previous)
+            else:
+                time.sleep(self.config.idle_wait_s)  # background held back by the governor
             return
         try:
-            result = self.backend.step(step.plan)
+            pending = self.backend.launch(step.plan) if self.pipelined else None
+            if pending is None:
+                pending = DoneStep(self.backend.step(step.plan))
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail; the engine goes on
+            message = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
+            self._fail_plan(step, message)
+            if previous is not None:
+                self._collect(*previous)
+            return
+        self.scheduler.launched(step)
+        if previous is not None:  # step k is collected only after step k+1 is queued
+            self._collect(*previous)
+        if self.pipelined:
+            self._in_flight = (self._step_no, step, pending)
+        else:
+            self._collect(self._step_no, step, pending)
+
+    def _collect(self, key: int, step: PlannedStep, pending: PendingStep) -> None:
+        """A step's results are back: observe it, sample (or take the device's tokens), deliver."""
+        try:
+            result = pending.wait()
+            if self.pipelined and result.token_ids is None:
+                raise BackendError(f"{self.backend.name} is pipelined but returned no device-sampled token_ids")
         except Exception as exc:  # noqa: BLE001 - the step's requests fail; the engine goes on
             message = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
             self._fail_plan(step, message)
             return
-        record = obs.completed(self._step_no, result.duration_s, result.device_duration_s)
+        # Pipelined: timed from the stamps, as vLLM's plug-in is (the backend's own figure
+        # would count host time spent planning the next step as this step's).
+        record = self.observer.completed(key, None if self.pipelined else result.duration_s,
+                                         result.device_duration_s)
         t_done = record.t1 if record is not None else self.clock()
-        update = self.scheduler.update(step, self._sample(step, result.logits, t_done), t_done)
+        tokens = self._device_tokens(step, result.token_ids) if self.pipelined else (
+            self._sample(step, result.logits, t_done))
+        update = self.scheduler.update(step, tokens, t_done)
         for seq, token in update.tokens:
             self._emit(seq, TokenEvent(seq.request.request_id, token, t_done))
         for seq in update.finished:
             self._close(seq, free_slot=True)
 
+    def _drain(self) -> None:
+        """Wait for a step still on the device (stopping, or after a failure); its tokens are dropped."""
+        if self._in_flight is not None:
+            _, _, pending = self._in_flight
+            self._in_flight = None
+            try:
+                pending.wait()
+            except Exception:  # noqa: BLE001 - its requests are being ended anyway
+                log.exception("a step in flight failed while the engine stopped")
+
+    def _device_tokens(self, step: PlannedStep, token_ids: dict[int, int]) -> dict[int, int]:
+        return {slot: token_ids[slot] for slot in step.sampled_slots() if slot in token_ids}
+
     def _sample(self, step: PlannedStep, logits: dict, t_done: float) -> dict[int, int]:
         """Slot -> next token. A request whose sampling fails ends with that error, alone."""
         tokens = {}
-        by_slot = {s.slot: s for s in self.scheduler.running}
+        by_slot = step.seqs or {s.slot: s for s in self.scheduler.running}
         for slot in step.sampled_slots():
             seq = by_slot.get(slot)
             if seq is None or seq.status == Status.FINISHED:
@@ -361,7 +421,10 @@ class Engine:
     def _fail_plan(self, step: PlannedStep, message: str) -> None:
         slots = {d.seq_id for d in step.plan.decodes} | {c.seq_id for c in step.plan.prefills}
         log.error("step failed (%s); failing %d sequence(s)", message, len(slots))
-        for seq in [s for s in self.scheduler.running if s.slot in slots]:
+        # The sequences the step was planned for (a slot may have been reused since).
+        planned = [step.seqs[s] for s in slots if s in step.seqs] if step.seqs else [
+            s for s in self.scheduler.running if s.slot in slots]
+        for seq in planned:
             self._finish(seq, FinishReason.ERROR, message)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, now: float | None = None,

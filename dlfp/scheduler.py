@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dlfp.backends.protocol import Capabilities, DecodeItem, PrefillChunk, StepPlan
+from dlfp.backends.protocol import PLACEHOLDER_TOKEN, Capabilities, DecodeItem, PrefillChunk, StepPlan
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
 from dlfp.trace import is_capped
 
@@ -33,6 +33,7 @@ class PlannedStep:
     bg_cap: int | None  # the preemption-budget cap in force (isolated background prefill)
     n_prefill_fg: int
     n_prefill_bg: int
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # slot -> the sequence it held when planned
 
     @property
     def capped(self) -> bool:
@@ -115,21 +116,38 @@ class Scheduler:
         return True
 
     # -- after a step ------------------------------------------------------
+    def launched(self, step: "PlannedStep") -> None:
+        """The step is on its way to the device: its prompts advance now, and each slot it
+        samples has one more token in flight, so the next plan can follow it before it is
+        back (a pipelined engine; a synchronous one calls `update` right after)."""
+        for chunk in step.plan.prefills:
+            seq = step.seqs.get(chunk.seq_id)
+            if seq is not None and seq.status != Status.FINISHED:
+                seq.n_prefilled = chunk.end
+        for slot in step.sampled_slots():
+            seq = step.seqs.get(slot)
+            if seq is not None and seq.status != Status.FINISHED:
+                seq.in_flight += 1
+                seq.status = Status.DECODING
+
     def update(self, step: "PlannedStep", tokens: dict[int, int], now: float) -> StepUpdate:
         """Apply a completed step: advance prompts, append sampled tokens, end what is done.
 
         `tokens` maps slot -> sampled token for the slots that got one (a slot whose
-        sampling failed is absent; the engine has already ended it).
+        sampling failed is absent; the engine has already ended it). Sequences are the
+        ones the step was planned for: a slot freed and reused meanwhile is not touched.
         """
-        by_slot = {s.slot: s for s in self.running}
+        by_slot = step.seqs or {s.slot: s for s in self.running}
         for chunk in step.plan.prefills:
             seq = by_slot.get(chunk.seq_id)
-            if seq is not None:  # absent: ended during this step (its sampling failed)
-                seq.n_prefilled = chunk.end
+            if seq is not None and seq.status != Status.FINISHED:  # ended during this step: untouched
+                seq.n_prefilled = max(seq.n_prefilled, chunk.end)  # a later chunk may be in flight
                 seq.n_prefill_chunks += 1
         out = StepUpdate()
         for slot in step.sampled_slots():
             seq = by_slot.get(slot)
+            if seq is not None and seq.in_flight > 0:
+                seq.in_flight -= 1
             if seq is None or seq.status == Status.FINISHED or slot not in tokens:
                 continue
             token = tokens[slot]
@@ -153,7 +171,14 @@ class Scheduler:
         return None
 
     def decoding(self) -> list[Sequence]:
-        return [s for s in self.running if s.status == Status.DECODING]
+        """Sequences that decode in the next step (with tokens in flight: while more may come)."""
+        return [s for s in self.running if s.status == Status.DECODING and self._may_decode(s)]
+
+    def _may_decode(self, s: Sequence) -> bool:
+        if not s.in_flight:
+            return True
+        return (len(s.output_ids) + s.in_flight < s.request.max_tokens
+                and s.next_position + s.in_flight + 1 < self.caps.context_per_sequence)
 
     def guarded(self) -> bool:
         return any(s.priority in self.protect for s in self.decoding())
@@ -168,9 +193,11 @@ class Scheduler:
         if not self.caps.multi_sequence:
             decoding, prefilling = self._time_slice(decoding, prefilling)
 
-        plan = StepPlan(
-            decodes=[DecodeItem(s.slot, s.output_ids[-1], s.next_position) for s in decoding]
-        )
+        # A token still in flight is fed from the device (pipelined engines).
+        plan = StepPlan(decodes=[
+            DecodeItem(s.slot, PLACEHOLDER_TOKEN if s.in_flight else s.output_ids[-1], s.next_position + s.in_flight)
+            for s in decoding
+        ])
         room = self.caps.max_batch_tokens - plan.n_decode
         if guarded and cap is not None:
             room = min(room, cap)
@@ -202,6 +229,7 @@ class Scheduler:
             bg_cap=bg_cap,
             n_prefill_fg=counts[FOREGROUND],
             n_prefill_bg=counts[BACKGROUND],
+            seqs={s.slot: s for s in self.running},
         )
 
     def _prefill_order(self) -> list[Sequence]:

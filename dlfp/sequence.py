@@ -111,6 +111,7 @@ class Sequence:
     status: Status = Status.WAITING
     n_prefilled: int = 0
     n_prefill_chunks: int = 0
+    in_flight: int = 0  # tokens of launched steps not yet back (pipelined engines)
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None

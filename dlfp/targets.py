@@ -62,6 +62,11 @@ ALL = (
     TargetEntry("mlc", OWNED_LOOP, "dlfp.backends.mlc:from_profile",
                 "MLC-named compiled functions on apache-tvm (step mode)", options=("n_threads",),
                 install="run scripts/setup.d/mlc.sh (setup.sh --all)"),
+    TargetEntry("torch", OWNED_LOOP, "dlfp.backends.torch:from_profile",
+                "PyTorch Llama/Qwen3-family decoder, per-slot KV cache, CUDA events (a GPU) or the CPU; "
+                "--model: a Hugging Face folder, or a bundled config (tiny, qwen3-0.6b, qwen3-8b) with random weights",
+                options=("n_threads",),
+                install="install torch (scripts/setup.d/executorch.sh puts the CPU build in .venv)"),
     TargetEntry("sim", OWNED_LOOP, "dlfp.backends.sim:from_profile",
                 "SIMULATED latency model for controller studies; never a measurement", simulated=True),
     TargetEntry("vllm", EXTERNAL, "dlfp.backends.vllm.target:make_target",

@@ -33,8 +33,18 @@ def _executorch(tmp, multi_sequence=True):
     return ExecuTorchBackend(cfg)
 
 
+def _torch(tmp):
+    pytest.importorskip("torch")
+    from dlfp.backends.torch.backend import TorchBackend
+    from dlfp.backends.torch.config import ModelConfig
+
+    return TorchBackend(ModelConfig.load("tiny"), None, n_seq=4, n_ctx=2048, n_batch=128, device="cpu",
+                        dtype="float32", n_threads=1)
+
+
 FACTORIES = {
     "llamacpp": _llamacpp,
+    "torch": _torch,
     "executorch": _executorch,
     # The same program declared single-sequence: the scheduler must time-slice it.
     "executorch-single": lambda tmp: _executorch(tmp, multi_sequence=False),

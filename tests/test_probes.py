@@ -265,3 +265,24 @@ def test_probe_command_rejects_bad_input(tmp_path):
     assert res.exit_code != 0 and "unknown device profile" in res.output
     res = CliRunner().invoke(main, ["probe", "--root", str(tmp_path / "missing")])
     assert res.exit_code != 0
+
+
+def test_nvml_reads_only_the_visible_gpus():
+    from dlfp.devices.nvidia import visible_indices
+
+    class Nvml:
+        def nvmlDeviceGetCount(self):
+            return 4
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return i
+
+        def nvmlDeviceGetUUID(self, h):
+            return f"GPU-{h}{h}{h}-uuid"
+
+    n = Nvml()
+    assert visible_indices(n, {}) == [0, 1, 2, 3]
+    assert visible_indices(n, {"CUDA_VISIBLE_DEVICES": "2,0"}) == [2, 0]
+    assert visible_indices(n, {"CUDA_VISIBLE_DEVICES": "GPU-333,GPU-1"}) == [3, 1]
+    assert visible_indices(n, {"CUDA_VISIBLE_DEVICES": "1,7,2"}) == [1]  # as CUDA: stops at a bad entry
+    assert visible_indices(n, {"CUDA_VISIBLE_DEVICES": ""}) == []

@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def make_scheduler(model_dir, cls, budget=8192, dlfp=None, asynch=None, threshold=0):
+def make_scheduler(model_dir, cls, budget=8192, dlfp=None, asynch=None, threshold=0, blocks=20000, pp=1):
     asynch = issubclass(cls, AsyncScheduler) if asynch is None else asynch
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=32768, seed=0)
     sched = SchedulerConfig(
@@ -65,7 +65,7 @@ def make_scheduler(model_dir, cls, budget=8192, dlfp=None, asynch=None, threshol
     cfg = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache,
                      additional_config={"dlfp": dlfp} if dlfp else {})
     cfg.scheduler_config.async_scheduling = asynch  # vLLM's CPU platform turns it off; a GPU keeps it
-    blocks = 20000
+    cfg.parallel_config.pipeline_parallel_size = pp  # set after validation: no devices are needed here
     kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
     cache.num_gpu_blocks = blocks
@@ -336,6 +336,9 @@ def test_version_pin_and_async_mismatch(model_dir):
         check_vllm_version("0.31.0")
     with pytest.raises(ValueError, match="DLFPScheduler"):
         make_scheduler(model_dir, DLFPAsyncScheduler, asynch=False)
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        make_scheduler(model_dir, DLFPScheduler, pp=2)
+    make_scheduler(model_dir, Scheduler, pp=2)  # the setting itself is accepted by stock vLLM here
     assert scheduler_class_name(True) == "dlfp.backends.vllm.scheduler.DLFPAsyncScheduler"
 
 
@@ -398,6 +401,7 @@ def test_target_refuses_unrelated_gpu_processes(tmp_path):
     from dlfp.devices.profiles import load_profile
 
     mine = own_process_tree()
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     check_exclusive(FakeNvml([sorted(mine)]), mine)  # only our own processes: fine
     make_target(str(tmp_path), load_profile("a100-paper"), nvml=FakeNvml([sorted(mine), []]))
     with pytest.raises(GpuBusy, match="pid 4242 on GPU 1 \\(512 MiB\\)"):
@@ -426,8 +430,10 @@ def test_target_engine_args_per_policy():
     for policy in ("dlfp", "dlfp-cadence"):
         args = engine_args("m", prof, PluginSettings(policy, params, "/tmp/s.jsonl"), async_scheduling=False)
         assert args["scheduler_cls"] == scheduler_class_name(False)
-        # What the engine core will read back: the same policy and parameters.
-        back = settings_from(args["additional_config"], {})
+        # What the engine core will read back (from DLFP_* variables): the same policy and parameters.
+        from dlfp.backends.vllm.target import plugin_env
+
+        back = settings_from({}, plugin_env(PluginSettings(policy, params, "/tmp/s.jsonl")))
         assert (back.policy, back.params, back.step_trace) == (policy, params, "/tmp/s.jsonl")
     assert engine_args("m", prof, PluginSettings("dlfp", params), extra={"enforce_eager": True})["enforce_eager"]
     with pytest.raises(ValueError, match="unknown policy"):
@@ -448,3 +454,149 @@ def test_step_trace_from_the_engine_core(model_dir, tmp_path):
     assert [r.duration_s for r in recs] == pytest.approx([s.done - s.start for s in ran])
     assert all(r.cap == 300 and r.n_prefill_fg <= 300 for r in recs if r.guarded)
     assert [r.n_prefill_fg for r in recs] == [s.n_prefill for s in ran]
+
+
+# --- KV pressure: vLLM's preemption choice is kept -----------------------------------
+
+
+@pytest.mark.parametrize("cls", [DLFPScheduler, DLFPAsyncScheduler])
+def test_preemption_victims_are_vllms_under_kv_pressure(model_dir, cls):
+    """FCFS vLLM preempts from the tail of `running`; the plug-in must not change that tail.
+
+    Reordering (decodes first) would move the half-prefilled document to the tail, so it
+    would be preempted (and recomputed from scratch) instead of the request vLLM picks.
+    """
+    # 300 blocks of 16 (299 usable): the document (298 blocks) fits alone, not beside the chat's 3.
+    sched = make_scheduler(model_dir, cls, budget=2048, dlfp={"policy": "fixed:300"}, threshold=512, blocks=300)
+    core = EngineCore(sched)
+    real = sched.schedule
+    checked = []
+
+    def watched():
+        order = [r.request_id for r in sched.running]
+        out = real()
+        victims = set(out.preempted_req_ids or ()) & set(order)
+        if victims:
+            checked.append(victims == set(order[len(order) - len(victims):]))
+        return out
+
+    sched.schedule = watched
+    sched.add_request(request("doc0", 4760, 4))
+    core.step()
+    sched.add_request(request("chat", 40, 200))  # decodes behind the document's chunks in `running`
+    core.run()
+    assert checked and all(checked), checked  # preemption happened, always at vLLM's choice
+
+
+@pytest.mark.parametrize("cls", [DLFPScheduler, DLFPAsyncScheduler])
+def test_decodes_still_go_first_with_kv_to_spare(model_dir, cls):
+    sched = make_scheduler(model_dir, cls, budget=2048, dlfp={"policy": "fixed:300"}, threshold=512)
+    assert sched._no_preemption_possible(2048)
+    tight = make_scheduler(model_dir, cls, budget=2048, dlfp={"policy": "fixed:300"}, threshold=512, blocks=100)
+    assert not tight._no_preemption_possible(2048)  # 128 blocks for the budget alone
+
+
+# --- the target: settings, vocabulary, energy, driver --------------------------------
+
+
+def test_plugin_settings_travel_outside_the_compile_hash(tmp_path):
+    from dlfp.backends.vllm.settings import PluginSettings
+    from dlfp.backends.vllm.target import engine_args, plugin_env
+    from dlfp.devices.profiles import load_profile
+
+    prof = load_profile("a100-paper")
+    runs = [PluginSettings(p, prof.dlfp_params(), str(tmp_path / f"{p}.jsonl")) for p in ("dlfp", "dlfp-cadence")]
+    args = [engine_args("m", prof, s) for s in runs]
+    assert all("additional_config" not in a for a in args)  # vLLM hashes additional_config
+    for s in runs:
+        assert settings_from({}, plugin_env(s)) == s  # what the engine core reads back
+
+
+def test_vocab_size_from_a_folder_or_a_clear_error(tmp_path, monkeypatch):
+    from dlfp.backends.vllm.target import vocab_size
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936}))
+    assert vocab_size(str(tmp_path)) == 151936
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 262144}}))
+    assert vocab_size(str(tmp_path)) == 262144
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        vocab_size(str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE=1 is set and it is not in the local cache"):
+        vocab_size("no-such-org/no-such-model-dlfp")
+
+
+class EnergyNvml(FakeNvml):
+    def __init__(self, pids_per_gpu, per_read_mj):
+        super().__init__(pids_per_gpu)
+        self.per_read = per_read_mj
+        self.reads = 0
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        self.reads += 1
+        return 1_000_000 + self.reads * self.per_read[h]
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h}aaaa"
+
+
+def test_energy_only_from_the_gpus_used_and_readable_by_the_report():
+    from dlfp.backends.vllm.gpu import energy_samples, used_gpus
+    from dlfp.devices.energy import energy_report
+
+    mine = {os.getpid()}
+    nvml = EnergyNvml([[], [os.getpid()], []], per_read_mj=[5_000_000, 1000, 7_000_000])
+    gpus, how = used_gpus(nvml, mine, 1)
+    assert gpus == [1] and "processes" in how
+    assert used_gpus(EnergyNvml([[], [], []], [0, 0, 0]), mine, 1, {"CUDA_VISIBLE_DEVICES": "GPU-2a"})[0] == [2]
+    assert used_gpus(EnergyNvml([[], [], []], [0, 0, 0]), mine, 2, {})[0] == [0, 1]
+    samples = energy_samples(nvml, gpus, 10.0) + energy_samples(nvml, gpus, 20.0)
+    report = energy_report(samples, 10.0, 20.0)
+    # Only GPU 1 (idle GPUs 0 and 2 draw far more here) and in mJ: the report sees it.
+    assert report["energy_source"] == "nvml" and list(report["sources"]) == ["nvml:nvml:1"]
+    assert report["energy_j"] == pytest.approx((len(nvml.per_read) * 1000) / 1e3)
+
+
+def test_cuda_driver_checked_against_torch():
+    from dlfp.backends.vllm.gpu import check_cuda_driver
+
+    class Driver(FakeNvml):
+        def __init__(self, version):
+            super().__init__([[]])
+            self.version = version
+
+        def nvmlSystemGetCudaDriverVersion(self):
+            return self.version
+
+    assert check_cuda_driver(Driver(13000), "13.0") is None
+    assert "minor-version" in check_cuda_driver(Driver(12080), "12.9")
+    with pytest.raises(RuntimeError, match="built for CUDA 13.0 but the driver supports CUDA 12.8"):
+        check_cuda_driver(Driver(12080), "13.0")
+    with pytest.raises(RuntimeError, match="CPU build"):
+        check_cuda_driver(Driver(13000), None)
+
+
+def test_gpu_check_reports_agreement_and_fails_only_on_accounting():
+    from dlfp.backends.vllm.agreement import verdict
+
+    def paired(reconciled, agree):
+        return {"paired": {"candidates": {"dlfp": {"reconciled": reconciled, "exact_output_agreement": agree}}},
+                "agreement": {"801": {"dlfp": {"compared": 12, "mismatches": [] if agree else ["agent-3"]}}}}
+
+    ok, lines = verdict(paired(True, False), batch_invariant=False)
+    assert ok and "11/12" in lines[0] and "not required" in lines[0]
+    assert not verdict(paired(True, False), batch_invariant=True)[0]
+    assert not verdict(paired(False, True), batch_invariant=False)[0]
+    assert verdict(paired(True, True), batch_invariant=True)[0]
+
+
+def test_gpu_check_needs_a_model_and_forces_no_hub_name():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    env = {k: v for k, v in os.environ.items() if k != "MODEL"}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "usage" in proc.stderr
+    assert "HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}" not in script.read_text().split('if [ -d "$MODEL" ]')[0]

@@ -74,3 +74,56 @@ def energy_mj(nvml) -> dict[int, int]:
         except Exception:  # noqa: BLE001 - pre-Volta GPUs have no counter
             continue
     return out
+
+
+def used_gpus(nvml, own_pids: set[int], expected: int, environ: dict | None = None) -> tuple[list[int], str]:
+    """NVML indices of the GPUs this run uses, and how they were found.
+
+    1. where our own processes (vLLM's workers) hold a context: exact, once the engine runs;
+    2. else the first `expected` GPUs CUDA_VISIBLE_DEVICES allows (all GPUs when unset).
+    Idle GPUs outside the run are never summed into its energy.
+    """
+    from dlfp.devices.nvidia import visible_indices
+
+    mine = sorted({p.gpu for p in gpu_processes(nvml) if p.pid in own_pids})
+    if mine:
+        return mine, "GPUs holding this run's processes (NVML)"
+    return visible_indices(nvml, environ)[:expected], f"the first {expected} GPU(s) CUDA_VISIBLE_DEVICES allows"
+
+
+def energy_samples(nvml, gpus: list[int], t: float) -> list[dict]:
+    """One trace sample per GPU in the form the energy report reads (`energy_mj`, cumulative)."""
+    counters = energy_mj(nvml)
+    return [{"t": t, "probe": "nvml", "source": f"nvml:{g}", "energy_mj": counters[g]} for g in gpus if g in counters]
+
+
+def cuda_driver_version(nvml) -> tuple[int, int] | None:
+    """The newest CUDA the installed driver supports, e.g. (12, 8); None if NVML cannot tell."""
+    try:
+        v = int(nvml.nvmlSystemGetCudaDriverVersion())
+    except Exception:  # noqa: BLE001 - old NVML
+        return None
+    return v // 1000, (v % 1000) // 10
+
+
+def check_cuda_driver(nvml, torch_cuda: str | None) -> str | None:
+    """Raise if the driver cannot run the CUDA major version torch was built for.
+
+    Returns a warning line when only the minor version is newer than the driver's (CUDA's
+    minor-version compatibility usually runs it, but PTX JIT and some kernels may fail).
+    `torch_cuda` is `torch.version.cuda` (None: a CPU build of torch).
+    """
+    if not torch_cuda:
+        raise RuntimeError("the installed torch is a CPU build: install a CUDA build of torch for this GPU")
+    driver = cuda_driver_version(nvml)
+    if driver is None:
+        return "could not read the driver's CUDA version from NVML; not checked"
+    need = tuple(int(x) for x in torch_cuda.split(".")[:2])
+    if need[0] > driver[0]:
+        raise RuntimeError(f"torch is built for CUDA {torch_cuda} but the driver supports CUDA "
+                           f"{driver[0]}.{driver[1]} at most: update the NVIDIA driver or install a torch built for "
+                           f"CUDA {driver[0]}.x")
+    if need > driver:
+        return (f"torch is built for CUDA {torch_cuda}, the driver supports {driver[0]}.{driver[1]}: "
+                f"minor-version compatibility applies (PTX JIT is unavailable); update the driver if kernels fail")
+    return None

@@ -11,12 +11,19 @@ What one `schedule()` does, while any running request is decoding:
 1. ask the policy for the cap c (total prompt tokens of the step, all requests together);
 2. put decoding requests first in `running` (stable), and lower vLLM's step token
    budget `max_num_scheduled_tokens` to (decode tokens + c): decodes take their
-   tokens first, then running prefill chunks and newly admitted prompts share c;
+   tokens first, then running prefill chunks and newly admitted prompts share c.
+   Under FCFS vLLM preempts from the tail of `running` when KV blocks run out, so
+   the order is changed only when the free blocks cover everything the step could
+   allocate; otherwise vLLM's order stands (vLLM preempts what it would have
+   preempted, and a prefill chunk ahead of a decode may take the budget first);
 3. call vLLM's own `schedule()`;
 4. restore the budget and the order of `running` (survivors in their old order,
    requests vLLM admitted this step appended, as vLLM appends them).
 
 When nobody decodes, nothing is touched: an isolated prefill gets vLLM's budget.
+Pipeline parallelism is refused: there a decode in flight or staggered
+(`next_decode_eligible_step`) leaves every other `schedule()` with no decode to
+see, so the policy would reset and those steps get the full budget.
 `long_prefill_token_threshold` and the encoder budget are left as configured: the
 step budget alone bounds the total.
 
@@ -56,6 +63,13 @@ class _DLFPMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        pp = int(getattr(self.vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            raise ValueError(
+                f"{type(self).__name__} does not support pipeline parallelism (pipeline_parallel_size={pp}): "
+                "with decodes in flight on other stages, most steps would see no decode and run uncapped; "
+                "use tensor parallelism (--tensor-parallel-size) instead"
+            )
         mode = bool(self.scheduler_config.async_scheduling)
         if mode != self._async:
             other = "DLFPAsyncScheduler" if mode else "DLFPScheduler"
@@ -93,13 +107,27 @@ class _DLFPMixin:
 
     def _capped_schedule(self, budget: int, decodes: dict[str, int], args: tuple, kwargs: dict) -> SchedulerOutput:
         saved_budget, order = self.max_num_scheduled_tokens, list(self.running)
-        self.running.sort(key=lambda r: r.request_id not in decodes)  # stable: decodes first
         self.max_num_scheduled_tokens = min(saved_budget, budget)
+        if self._no_preemption_possible(self.max_num_scheduled_tokens):
+            self.running.sort(key=lambda r: r.request_id not in decodes)  # stable: decodes first
         try:
             return super().schedule(*args, **kwargs)
         finally:
             self.max_num_scheduled_tokens = saved_budget
             self._restore_order(order)
+
+    def _no_preemption_possible(self, budget: int) -> bool:
+        """True when the free KV blocks cover the most this step can allocate.
+
+        At most `budget` new tokens, plus per running request one block its tokens may
+        newly straddle and its lookahead slots, in every KV cache group. A bound, so a
+        step that would not have preempted may still keep vLLM's order.
+        """
+        block = max(1, int(self.block_size))
+        per_req = 1 + -(-int(self.num_lookahead_tokens or 0) // block)
+        groups = max(1, len(self.kv_cache_config.kv_cache_groups))
+        need = (-(-budget // block) + per_req * len(self.running)) * groups
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() >= need
 
     def _restore_order(self, order: list[Request]) -> None:
         rank = {id(r): i for i, r in enumerate(order)}

@@ -9,8 +9,13 @@ the plug-in timed by the paper's scheduler-call interval, `fixed:N` a static cap
 Requests go in as token ids; each streamed token is stamped on arrival. The
 plug-in's per-step records come back through a JSONL file (the scheduler runs in
 vLLM's engine-core process). Before starting, the target refuses to run when
-unrelated processes hold a GPU, and it records the GPU, driver, clocks and the
-NVML energy counter around each run.
+unrelated processes hold a GPU or the driver cannot run torch's CUDA, and it records
+the GPU, driver, clocks and the NVML energy counters of the GPUs the run uses over
+the measured window (from the first measured request to the end; warm-up excluded).
+
+The plug-in's settings reach the engine core as DLFP_* environment variables, not
+in `additional_config`: vLLM hashes `additional_config` into its compile-cache key,
+so a per-run trace path there would recompile the model for every arm.
 
 Extra engine arguments (e.g. `{"enforce_eager": true}` for a quick check) can be
 given as JSON in `DLFP_VLLM_ENGINE_ARGS`.
@@ -27,13 +32,14 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from dlfp.assembly import is_stock
-from dlfp.backends.vllm.gpu import check_exclusive, describe_gpus, energy_mj
-from dlfp.backends.vllm.settings import PluginSettings
+from dlfp.backends.vllm.gpu import check_cuda_driver, check_exclusive, describe_gpus, energy_samples, used_gpus
+from dlfp.backends.vllm.settings import CONFIG_KEY, PluginSettings
 from dlfp.backends.vllm.version import SUPPORTED_VLLM
 from dlfp.controller import parse_policy
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.sequence import Request
 from dlfp.trace import RequestRecord, Trace, read_steps
+from dlfp.workloads.schedule import WARMUP_TAG
 
 ENGINE_ARGS_ENV = "DLFP_VLLM_ENGINE_ARGS"
 SCHEDULER_MODULE = "dlfp.backends.vllm.scheduler"
@@ -56,9 +62,32 @@ def engine_args(model: str, profile: DeviceProfile, settings: PluginSettings, *,
     }
     if not is_stock(settings.policy):  # unbounded: stock vLLM, no plug-in at all
         cls = "DLFPAsyncScheduler" if async_scheduling else "DLFPScheduler"
-        args["scheduler_cls"] = f"{SCHEDULER_MODULE}.{cls}"
-        args["additional_config"] = settings.as_config()
+        args["scheduler_cls"] = f"{SCHEDULER_MODULE}.{cls}"  # not in vLLM's compile hash
     return args | (extra or {})
+
+
+def plugin_env(settings: PluginSettings) -> dict[str, str]:
+    """The DLFP_* variables that give the plug-in `settings` (read by settings_from in the engine core)."""
+    return {f"DLFP_{k.upper()}": str(v) for k, v in settings.as_config()[CONFIG_KEY].items() if v is not None}
+
+
+class _Environ:
+    """Set variables for the engine core's start (its process inherits them), then restore."""
+
+    def __init__(self, values: dict[str, str]):
+        self.values = values
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def own_process_tree() -> set[int]:
@@ -107,7 +136,8 @@ class VllmTarget:
         self._trace: Trace | None = None
         self._pending: list[Future] = []
         self._step_file: Path | None = None
-        self._energy0: dict[int, int] = {}
+        self._gpus: list[int] = []
+        self._energy_started = False
         self._vocab: int | None = None
 
     @property
@@ -121,6 +151,9 @@ class VllmTarget:
 
     def open(self, policy: str) -> None:
         check_exclusive(self.nvml, own_process_tree())
+        import torch
+
+        cuda_warning = check_cuda_driver(self.nvml, torch.version.cuda)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -132,17 +165,28 @@ class VllmTarget:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dlfp-vllm-loop", daemon=True)
         self._thread.start()
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        settings = self.settings(policy)
+        with _Environ({} if is_stock(settings.policy) else plugin_env(settings)):
+            self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self._vocab = self._engine.model_config.get_vocab_size()
         self._pending = []
-        self._energy0 = energy_mj(self.nvml)
         self._trace = Trace(origin=time.perf_counter())
         self._trace.note(f"vllm {policy}: scheduler {args.get('scheduler_cls', 'stock')}")
+        if cuda_warning:
+            self._trace.note(cuda_warning)
+        parallel = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+        self._gpus, how = used_gpus(self.nvml, own_process_tree(), parallel)
+        self._energy_started = False
+        self._trace.note(f"energy: NVML counters of GPU(s) {self._gpus} ({how}), measured requests only")
 
     def submit(self, request: Request) -> _Handle:
         assert self._engine is not None and self._loop is not None, "open() first"
         if request.priority not in ("foreground", "background"):
             raise ValueError(f"unknown priority {request.priority!r}")
+        if request.tag != WARMUP_TAG and not self._energy_started:  # warm-ups run (and finish) first
+            self._energy_started = True
+            for sample in energy_samples(self.nvml, self._gpus, time.perf_counter()):
+                self._trace.add_sample(sample)
         future = asyncio.run_coroutine_threadsafe(self._generate(request, time.perf_counter()), self._loop)
         self._pending.append(future)
         return _Handle(request.request_id, future)
@@ -176,17 +220,16 @@ class VllmTarget:
         assert self._engine is not None and self._trace is not None, "open() first"
         for f in self._pending:
             f.exception()  # wait; failures are in the records
-        trace, energy1 = self._trace, energy_mj(self.nvml)
+        trace = self._trace
+        if self._energy_started:
+            for sample in energy_samples(self.nvml, self._gpus, time.perf_counter()):
+                trace.add_sample(sample)
         self._engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         for rec in read_steps(self._step_file):  # written by the plug-in in vLLM's engine core
             trace.add_step(rec)
         self._step_file.unlink(missing_ok=True)
-        for gpu, end in energy1.items():
-            if gpu in self._energy0:
-                trace.add_sample({"t": time.perf_counter(), "probe": "nvml", "source": f"nvml:{gpu}",
-                                  "energy_j": (end - self._energy0[gpu]) / 1e3})
         self._engine = self._loop = self._thread = self._trace = None
         return trace
 
@@ -200,7 +243,7 @@ class VllmTarget:
             "engine": engine_args(self.model, self.profile, self.settings("dlfp"),
                                   tensor_parallel_size=self.tensor_parallel_size,
                                   async_scheduling=self.async_scheduling, extra=self.extra),
-            "vocab_size": self._vocab or _vocab_size(self.model),
+            "vocab_size": self._vocab or vocab_size(self.model),
             "context_per_sequence": self.profile.context_per_sequence,
         }
         try:
@@ -210,14 +253,35 @@ class VllmTarget:
         return desc
 
 
-def _vocab_size(model: str) -> int | None:
-    """From the model's config.json, without starting an engine (local folders and the local hub cache)."""
+def vocab_size(model: str) -> int:
+    """From the model's config.json, without starting an engine; ValueError saying why not.
+
+    A local folder is read directly; a hub name goes through transformers, which uses
+    the local cache and, unless HF_HUB_OFFLINE=1, the hub (only config.json is fetched).
+    """
+    folder = Path(model)
+    if folder.is_dir():
+        path = folder / "config.json"
+        if not path.exists():
+            raise ValueError(f"{model} has no config.json: pass a Hugging Face model folder")
+        cfg = json.loads(path.read_text())
+        found = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        if not found:
+            raise ValueError(f"{path} gives no vocab_size")
+        return int(found)
     try:
         from transformers import AutoConfig
 
-        return int(AutoConfig.from_pretrained(model, local_files_only=True).vocab_size)
-    except Exception:  # noqa: BLE001 - unknown until the engine starts
-        return None
+        cfg = AutoConfig.from_pretrained(model)
+    except Exception as exc:  # noqa: BLE001 - the cause is the message
+        offline = " (HF_HUB_OFFLINE=1 is set and it is not in the local cache)" if os.environ.get(
+            "HF_HUB_OFFLINE") == "1" else ""
+        raise ValueError(f"cannot read the config of {model!r}{offline}: {type(exc).__name__}: {exc}; "
+                         f"pass a local model folder") from None
+    found = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
+    if not found:
+        raise ValueError(f"the config of {model!r} gives no vocab_size")
+    return int(found)
 
 
 def make_target(model: str | None, profile: DeviceProfile, itl_target_ms: float | None = None,
@@ -227,4 +291,5 @@ def make_target(model: str | None, profile: DeviceProfile, itl_target_ms: float 
     target = VllmTarget(model, profile, itl_target_ms, **options)
     # Refuse before any trial is planned; open() checks again before each engine start.
     check_exclusive(target.nvml, own_process_tree())
+    target._vocab = vocab_size(model)  # a model that cannot be found fails here, with the cause
     return target
