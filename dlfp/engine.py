@@ -56,7 +56,7 @@ class TokenEvent:
     t: float
     finish_reason: str | None = None  # set on the final event
     error: str | None = None
-    cached_tokens: int | None = None  # final event: prompt tokens reused from a cached prefix
+    cached_tokens: int | None = None  # prompt tokens reused from a cached prefix (every event of a started request)
 
 
 class RequestHandle:
@@ -332,7 +332,7 @@ class Engine:
         t_done = record.t1 if record is not None else self.clock()
         update = self.scheduler.update(step, self._sample(step, result.logits, t_done), t_done)
         for seq, token in update.tokens:
-            self._emit(seq, TokenEvent(seq.request.request_id, token, t_done))
+            self._emit(seq, TokenEvent(seq.request.request_id, token, t_done, cached_tokens=seq.n_cached))
         for seq in update.finished:
             self._close(seq, free_slot=True)
 
