@@ -17,10 +17,11 @@ What the engine relies on, check by check:
 - capabilities: the declared limits are true; an adapter that declares
   multi_sequence=False refuses a two-sequence plan, and the engine (which then
   time-slices) still serves two concurrent requests with their solo outputs;
-- prefix_reuse (only for an adapter that declares it): a slot that keeps a cached prefix
+- prefix_reuse: for an adapter that declares it, a slot that keeps a cached prefix
   (`keep_prefix`) and prefills the rest gives the logits of a cold prefill (within
   LOGIT_TOL) and the same greedy tokens, for a next chat turn (prompt + reply + more),
-  a shorter prompt, and a prompt that shares nothing;
+  a shorter prompt, and a prompt that shares nothing; one that does not declare it
+  must not claim to keep a prefix;
 - bad_input: an out-of-range token id, a sequence past its context, an oversized step
   or an unknown slot give BackendError/ValueError, and the backend keeps working.
 """
@@ -195,8 +196,10 @@ def check_isolation(backend: Backend) -> str | None:
 
 def check_prefix_reuse(backend: Backend) -> str | None:
     """A kept prefix plus a prefilled suffix equals a cold prefill of the whole prompt."""
-    if not backend.capabilities.prefix_reuse:
-        return None  # declared unsupported: the engine never asks for it
+    if not backend.capabilities.prefix_reuse:  # the engine never asks; the adapter must not claim it either
+        free_all(backend)
+        expect(not backend.keep_prefix(0, 0), "prefix_reuse=False, yet keep_prefix says it kept a prefix")
+        return "not declared (the engine never asks for it); keep_prefix refuses"
     a = prompt(backend)
     _, reply = reference(backend, a)
     cases = {
