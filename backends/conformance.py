@@ -17,6 +17,11 @@ What the engine relies on, check by check:
 - capabilities: the declared limits are true; an adapter that declares
   multi_sequence=False refuses a two-sequence plan, and the engine (which then
   time-slices) still serves two concurrent requests with their solo outputs;
+- prefix_reuse: for an adapter that declares it, a slot that keeps a cached prefix
+  (`keep_prefix`) and prefills the rest gives the logits of a cold prefill (within
+  LOGIT_TOL) and the same greedy tokens, for a next chat turn (prompt + reply + more),
+  a shorter prompt, and a prompt that shares nothing; one that does not declare it
+  must not claim to keep a prefix;
 - bad_input: an out-of-range token id, a sequence past its context, an oversized step
   or an unknown slot give BackendError/ValueError, and the backend keeps working.
 """
@@ -189,6 +194,46 @@ def check_isolation(backend: Backend) -> str | None:
     return "sequence 0's greedy tokens unchanged while sequence 1 prefilled, decoded, was freed and reused"
 
 
+def check_prefix_reuse(backend: Backend) -> str | None:
+    """A kept prefix plus a prefilled suffix equals a cold prefill of the whole prompt."""
+    if not backend.capabilities.prefix_reuse:  # the engine never asks; the adapter must not claim it either
+        free_all(backend)
+        expect(not backend.keep_prefix(0, 0), "prefix_reuse=False, yet keep_prefix says it kept a prefix")
+        return "not declared (the engine never asks for it); keep_prefix refuses"
+    a = prompt(backend)
+    _, reply = reference(backend, a)
+    cases = {
+        "next turn": (a + reply + prompt(backend, 16, variant=2), len(a) + len(reply) - 1),
+        "shorter prompt": (a[:20] + prompt(backend, 8, variant=3), 20),
+        "shares nothing": (prompt(backend, 24, variant=4), 0),
+    }
+    gaps = []
+    for label, (ids, keep) in cases.items():
+        cold_first, cold_tokens = reference(backend, ids)
+        # Slot 0 as a finished turn leaves it: the prompt, then the reply but its last token.
+        greedy_decode(backend, 0, prefill(backend, 0, a), len(a), GREEDY_STEPS)
+        expect(backend.keep_prefix(0, keep), f"{label}: keep_prefix(0, {keep}) refused on a backend declaring prefix_reuse")
+        first = _prefill_from(backend, 0, ids, keep)
+        tokens = greedy_decode(backend, 0, first, len(ids), GREEDY_STEPS)
+        free_all(backend)
+        gap = logit_gap(cold_first, first)
+        expect(gap <= LOGIT_TOL, f"{label}: reusing {keep} tokens changed the logits by {gap:.2e} of their spread")
+        expect(tokens == cold_tokens, f"{label}: greedy tokens {tokens} with reuse vs {cold_tokens} cold")
+        gaps.append(gap)
+    return f"next turn, shorter prompt, no common prefix: logit gap <= {max(gaps):.1e}; greedy tokens equal"
+
+
+def _prefill_from(backend: Backend, slot: int, ids: list[int], start: int) -> np.ndarray:
+    size = max(1, backend.capabilities.max_batch_tokens)
+    logits = None
+    for s in range(start, len(ids), size):
+        piece = ids[s : s + size]
+        last = s + len(piece) == len(ids)
+        r = backend.step(StepPlan(prefills=[PrefillChunk(slot, piece, s, last)]))
+        logits = r.logits[slot] if last else None
+    return logits
+
+
 def check_completion_timing(backend: Backend) -> str:
     caps = backend.capabilities
     expect(caps.timing in (TIMING_SYNC_WALL, TIMING_OUTPUT_READY, TIMING_DEVICE_EVENT), f"unknown timing kind {caps.timing!r}")
@@ -310,6 +355,7 @@ CHECKS: list[Check] = [
     Check("chunked_prefill", check_chunked_prefill),
     Check("riding_chunk", check_riding_chunk),
     Check("isolation", check_isolation),
+    Check("prefix_reuse", check_prefix_reuse),
     Check("completion_timing", check_completion_timing),
     Check("capabilities", check_capabilities),
     Check("bad_input", check_bad_input),

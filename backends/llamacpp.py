@@ -158,6 +158,7 @@ class LlamaCppBackend(Backend):
             context_per_sequence=ll.llama_n_ctx_seq(self._ctx),
             max_batch_tokens=n_batch,
             vocab_size=self.n_vocab,
+            prefix_reuse=self._can_keep_prefix(),
         )
         self._template = self._chat_template()
         self._max_token_bytes: int | None = None
@@ -179,6 +180,18 @@ class LlamaCppBackend(Backend):
 
     def free_sequence(self, seq_id: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+
+    def keep_prefix(self, seq_id: int, n_tokens: int) -> bool:
+        """Drop the slot's KV from position n_tokens on (llama_memory_seq_rm [n, end))."""
+        if not 0 <= seq_id < self.capabilities.max_sequences or n_tokens < 0:
+            raise BackendError(f"keep_prefix({seq_id}, {n_tokens}): no such slot or position")
+        return bool(self._ll.llama_memory_seq_rm(self._mem, seq_id, n_tokens, -1))
+
+    def _can_keep_prefix(self) -> bool:
+        """A cache tail can be dropped exactly only from a plain attention cache: a recurrent
+        state cannot be rewound, and a sliding-window cache has already lost old positions."""
+        ll, m = self._ll, self._model
+        return not (ll.llama_model_is_recurrent(m) or ll.llama_model_is_hybrid(m) or ll.llama_model_n_swa(m) > 0)
 
     # -- text --------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:

@@ -68,6 +68,9 @@ class Capabilities:
     context_per_sequence: int  # positions one sequence may occupy
     max_batch_tokens: int  # tokens one step may carry (llama.cpp's n_batch)
     vocab_size: int
+    # A slot's cache can keep its first n positions and drop the rest (`Backend.keep_prefix`),
+    # so a request that shares a prompt prefix with a slot's last one prefills only the rest.
+    prefix_reuse: bool = False
 
     def limits(self) -> Limits:
         return Limits(self.max_sequences, self.context_per_sequence, self.max_batch_tokens)
@@ -187,6 +190,15 @@ class Backend(ABC):
 
         The scheduler owns slot numbering; a slot is always freed before it is reused.
         """
+
+    def keep_prefix(self, seq_id: int, n_tokens: int) -> bool:
+        """Keep positions 0..n_tokens-1 of slot `seq_id`'s cache, drop the rest.
+
+        Called only when `capabilities.prefix_reuse` is declared, on a free slot
+        before a new sequence starts in it. False: the runtime could not (the
+        engine then frees the slot and prefills the whole prompt).
+        """
+        return False
 
     @abstractmethod
     def step(self, plan: StepPlan) -> StepResult:

@@ -102,9 +102,10 @@ def model_options(f):
 @click.option("--turns", type=int, default=None, help="Use only the first N chat turns.")
 @click.option("--max-docs", type=int, default=None, help="Ingest only the first N documents.")
 @click.option("--kv-unified", is_flag=True, help="llama.cpp: one KV cache shared by all sequences.")
+@click.option("--no-cache-prompt", is_flag=True, help="Prefill every prompt whole (no reuse of a turn's cached prefix).")
 @click.option("--out", type=click.Path(), default="runs/laptop", show_default=True)
 def laptop(model, backend, profile, threads, policies, itl_target_ms, docs, chat_script, turns, max_docs,
-           kv_unified, out):
+           kv_unified, no_cache_prompt, out):
     """Foreground chat + background document ingestion, under each policy."""
     from dataclasses import replace
 
@@ -131,6 +132,7 @@ def laptop(model, backend, profile, threads, policies, itl_target_ms, docs, chat
         script=script,
         docs=documents,
         out=Path(out),
+        cache_prompt=not no_cache_prompt,
     )
     from rich.progress import Progress
 

@@ -64,6 +64,7 @@ class TokenEvent:
     t: float
     finish_reason: str | None = None  # set on the final event
     error: str | None = None
+    cached_tokens: int | None = None  # prompt tokens reused from a cached prefix (every event of a started request)
 
 
 class RequestHandle:
@@ -132,6 +133,7 @@ class EngineConfig:
     protect: tuple[str, ...] = (FOREGROUND,)
     seed: int = 0
     idle_wait_s: float = 0.05
+    prefix_reuse: bool = True  # reuse cached prompt prefixes where the backend can (requests may opt out)
 
 
 class Engine:
@@ -149,7 +151,7 @@ class Engine:
         self.clock = clock
         self.trace = trace or Trace(origin=clock())
         caps = backend.capabilities
-        self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos)
+        self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos, self.config.prefix_reuse)
         budget = None
         if self.config.preemption_budget_s is not None:
             budget = make_budget_policy(self.config.preemption_budget_s, self.config.preemption_initial,
@@ -324,7 +326,7 @@ class Engine:
 
     def _step(self) -> None:
         for seq in self.scheduler.admit():
-            self.backend.free_sequence(seq.slot)  # slot reuse starts from an empty cache
+            self._prepare_slot(seq)
         obs = self.observer
         cap = obs.begin(self.scheduler.guarded())
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
@@ -376,7 +378,7 @@ class Engine:
             self._sample(step, result.logits, t_done))
         update = self.scheduler.update(step, tokens, t_done)
         for seq, token in update.tokens:
-            self._emit(seq, TokenEvent(seq.request.request_id, token, t_done))
+            self._emit(seq, TokenEvent(seq.request.request_id, token, t_done, cached_tokens=seq.n_cached))
         for seq in update.finished:
             self._close(seq, free_slot=True)
 
@@ -392,6 +394,13 @@ class Engine:
 
     def _device_tokens(self, step: PlannedStep, token_ids: dict[int, int]) -> dict[int, int]:
         return {slot: token_ids[slot] for slot in step.sampled_slots() if slot in token_ids}
+
+    def _prepare_slot(self, seq: Sequence) -> None:
+        """A new sequence's cache: its reused prefix kept, the rest dropped (all of it when none is reused)."""
+        if seq.n_cached and self.backend.keep_prefix(seq.slot, seq.n_cached):
+            return
+        self.backend.free_sequence(seq.slot)
+        self.scheduler.forget_prefix(seq)
 
     def _sample(self, step: PlannedStep, logits: dict, t_done: float) -> dict[int, int]:
         """Slot -> next token. A request whose sampling fails ends with that error, alone."""
@@ -435,7 +444,7 @@ class Engine:
 
     def _close(self, seq: Sequence, free_slot: bool) -> None:
         """A sequence the scheduler has ended: free its cache, record it, tell the caller, forget it."""
-        if free_slot:
+        if free_slot and not self.scheduler.keeps_cache(seq.slot):
             self.backend.free_sequence(seq.slot)
         rid = seq.request.request_id
         record = self._record(seq)
@@ -443,7 +452,7 @@ class Engine:
         self._seqs.pop(rid, None)
         self._rngs.pop(rid, None)
         if handle is not None:
-            _safe_deliver(handle, TokenEvent(rid, None, seq.finished_s, seq.finish_reason, seq.error))
+            _safe_deliver(handle, TokenEvent(rid, None, seq.finished_s, seq.finish_reason, seq.error, seq.n_cached))
             handle._finish(record)
 
     def _record(self, seq: Sequence) -> RequestRecord:
@@ -459,6 +468,7 @@ class Engine:
             error=seq.error,
             finished_s=seq.finished_s,
             n_prefill_chunks=seq.n_prefill_chunks,
+            cached_prompt_tokens=seq.n_cached,
         )
         self.trace.add_request(record)
         return record

@@ -3,7 +3,9 @@
 Every policy runs the identical session (same prompts, same think times) on the
 same loaded model, one after another, after a foreground-only run that measures
 the decode-only ITL. Outputs are greedy, so every request's token ids must match
-across policies.
+across policies. Each chat turn's prompt extends the previous one, so with prefix
+reuse a turn prefills only its new part; the foreground-only run prefills every
+prompt cold, so the exact-output check also proves reuse changes no token.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class LaptopSettings:
     fg_start_s: float = 1.0  # the first message arrives while ingestion is under way
     probe_period_s: float = 0.5
     out: Path | None = None
+    cache_prompt: bool = True  # reuse cached prompt prefixes in the policy runs (llama.cpp's cache_prompt)
 
 
 @dataclass
@@ -65,10 +68,11 @@ def run_session(
 ) -> Session:
     engine = build_engine(backend, policy, settings.profile, probe_period_s=settings.probe_period_s)
     start = engine.clock()
+    cache = settings.cache_prompt and label != DECODE_ONLY  # the reference run is cold
     try:
         bg = _ingest(engine, backend, settings, with_background, on_progress)
         time.sleep(settings.fg_start_s)
-        _chat(engine, backend, settings.script, on_progress)
+        _chat(engine, backend, settings.script, on_progress, cache)
         for h in bg:
             h.result()
         end = engine.clock()
@@ -84,7 +88,8 @@ def _ingest(engine: Engine, backend: Backend, settings: LaptopSettings, enabled:
         return bg
     for doc in settings.docs:
         ids = backend.apply_chat_template(summary_messages(doc))
-        req = Request(ids, settings.summary_tokens, BACKGROUND, request_id=f"bg-{doc.name}", tag=doc.name)
+        req = Request(ids, settings.summary_tokens, BACKGROUND, request_id=f"bg-{doc.name}", tag=doc.name,
+                      cache_prompt=settings.cache_prompt)
         try:
             handle = engine.submit(req)
         except InvalidRequest as exc:  # recorded in the trace; the other documents go on
@@ -101,12 +106,13 @@ def _notify_when_done(handle, callback) -> None:
     callback()
 
 
-def _chat(engine: Engine, backend: Backend, script: ChatScript, on_progress) -> None:
+def _chat(engine: Engine, backend: Backend, script: ChatScript, on_progress, cache_prompt: bool = True) -> None:
     history: list[tuple[str, str]] = []
     for i, user in enumerate(script.turns):
         ids = backend.apply_chat_template(chat_messages(script, history, user))
         try:
-            handle = engine.submit(Request(ids, script.max_tokens, FOREGROUND, request_id=f"fg-turn-{i}", tag=f"turn {i}"))
+            handle = engine.submit(Request(ids, script.max_tokens, FOREGROUND, request_id=f"fg-turn-{i}",
+                                           tag=f"turn {i}", cache_prompt=cache_prompt))
         except InvalidRequest as exc:  # recorded in the trace; the session cannot go on without history
             log.warning("chat turn %d refused: %s", i, exc)
             return
@@ -131,6 +137,9 @@ def session_summary(s: Session) -> dict:
         "fg_itl_max_ms": _ms(max(fg_itl) if fg_itl else None),
         "fg_ttft_p50_ms": _ms(percentile(fg_ttft, 50)),
         "fg_ttft_p99_ms": _ms(percentile(fg_ttft, 99)),
+        "fg_ttft_by_turn_ms": [_ms(ttft(r)) if r.ok and r.token_times else None for r in _turns(fg)],
+        "fg_prompt_tokens": sum(r.prompt_len for r in fg),
+        "fg_prompt_tokens_reused": sum(r.cached_prompt_tokens for r in fg),
         "bg_prefill_tokens": bg_tokens,
         "bg_prefill_tokens_per_s": bg_tokens / bg_span if bg_span > 0 else None,
         "bg_docs_done": sum(1 for r in bg if r.ok),
@@ -144,6 +153,11 @@ def session_summary(s: Session) -> dict:
         "zero_cap_steps": sum(1 for st in s.trace.steps if st.guarded and st.cap == 0),
         "notes": list(s.trace.notes),
     }
+
+
+def _turns(fg: list[RequestRecord]) -> list[RequestRecord]:
+    """Foreground records in turn order (ids fg-turn-<i>)."""
+    return sorted(fg, key=lambda r: int(r.request_id.rsplit("-", 1)[-1]) if r.request_id[-1:].isdigit() else 0)
 
 
 def time_split(s: Session) -> dict:

@@ -34,6 +34,10 @@ def laptop_table(summary: dict, console: Console | None = None) -> None:
     ]
     for label, key in rows:
         table.add_row(label, *[_fmt(p.get(key)) for p in pol.values()])
+    table.add_row("fg TTFT by turn (ms)", *[" ".join(_fmt(x) for x in p.get("fg_ttft_by_turn_ms", [])) or "-"
+                                           for p in pol.values()])
+    table.add_row("fg prompt tokens reused", *[f"{p.get('fg_prompt_tokens_reused', 0)}/{p.get('fg_prompt_tokens', 0)}"
+                                               for p in pol.values()])
     table.add_row("energy J/out token", *[_fmt(p["energy"].get("j_per_output_token")) for p in pol.values()])
     table.add_row("peak temp (C)", *[_fmt(p["energy"].get("peak_temp_c")) for p in pol.values()])
     console.print(table)

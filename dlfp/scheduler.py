@@ -13,6 +13,11 @@ How many prompt tokens join:
   budget's token count, so a foreground message that arrives meanwhile waits at
   most about one budget (None: no budget, as llama.cpp's server does). Background
   prompts wait while a foreground prompt is loading.
+
+Prefix reuse (backends that declare `prefix_reuse`): a finished sequence's tokens
+stay in its slot, and a new sequence is admitted to the slot sharing the longest
+prompt prefix (`dlfp.prefix_cache`); it starts with those tokens already prefilled,
+so the cap and the preemption budget apply to the rest exactly as to any prompt.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dlfp.backends.protocol import PLACEHOLDER_TOKEN, Capabilities, DecodeItem, PrefillChunk, StepPlan
+from dlfp.prefix_cache import PrefixCache
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
 from dlfp.trace import is_capped
 
@@ -58,15 +64,21 @@ class Scheduler:
         caps: Capabilities,
         protect: tuple[str, ...] = (FOREGROUND,),
         is_eos: Callable[[int], bool] = lambda token: False,
+        prefix_reuse: bool = False,
     ):
         self.caps = caps
         self.is_eos = is_eos
         self.protect = protect  # classes whose decodes the cap guards
         self.waiting: dict[str, deque[Sequence]] = {FOREGROUND: deque(), BACKGROUND: deque()}
         self.running: list[Sequence] = []  # holds a slot, in admission order
-        self.free_slots: deque[int] = deque(range(caps.max_sequences))
+        # Slots and what their caches hold; reuse only where the backend can drop a cache's tail.
+        self.cache = PrefixCache(caps.max_sequences, enabled=prefix_reuse and caps.prefix_reuse)
         self.fg_reserved_slots = 1 if caps.max_sequences > 1 else 0
         self._turn = 0  # time-slicing position for single-sequence backends
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.cache.free()
 
     # -- queue -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -80,13 +92,15 @@ class Scheduler:
 
         While no foreground sequence holds a slot, background work leaves one free:
         a chat message that arrives behind a folder of documents must not wait for
-        one of them to finish.
+        one of them to finish. An admitted sequence's `n_cached` prompt tokens are
+        already in its slot's cache; the caller drops the rest of that cache.
         """
         admitted = []
         for cls in (FOREGROUND, BACKGROUND):
-            while len(self.free_slots) > self._reserve(cls) and self.waiting[cls]:
+            while self.cache.n_free() > self._reserve(cls) and self.waiting[cls]:
                 seq = self.waiting[cls].popleft()
-                seq.slot = self.free_slots.popleft()
+                grant = self.cache.acquire(seq.request.prompt_ids, seq.priority, seq.request.cache_prompt)
+                seq.slot, seq.n_cached, seq.n_prefilled = grant.slot, grant.reused, grant.reused
                 seq.status = Status.PREFILLING
                 self.running.append(seq)
                 admitted.append(seq)
@@ -97,17 +111,26 @@ class Scheduler:
             return 0
         return self.fg_reserved_slots
 
+    def forget_prefix(self, seq: Sequence) -> None:
+        """The backend could not keep the granted prefix: the sequence starts from an empty cache."""
+        seq.n_cached = seq.n_prefilled = 0
+
+    def keeps_cache(self, slot: int) -> bool:
+        """Whether a free slot's cache is kept for reuse (the caller must not free it)."""
+        return self.cache.holds(slot)
+
     def finish(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None) -> bool:
         """End a sequence; its slot goes back to the pool. False if it had already ended.
 
         Returns True; the caller frees the backend's cache for `seq.slot` if the
-        sequence held one (`seq.slot is not None` and it was running).
+        sequence held one (`seq.slot is not None` and it was running) and the pool
+        does not keep it (`keeps_cache`). After an error the cache is not trusted.
         """
         if seq.status == Status.FINISHED:
             return False
         if seq in self.running:
             self.running.remove(seq)
-            self.free_slots.append(seq.slot)
+            self.cache.release(seq.slot, None if reason == FinishReason.ERROR else _cached_tokens(seq))
         else:
             self.waiting[seq.priority] = deque(s for s in self.waiting[seq.priority] if s is not seq)
             seq.slot = None
@@ -247,3 +270,10 @@ class Scheduler:
         if decoding and (not prefilling or self._turn % 2):
             return [decoding[(self._turn // 2) % len(decoding)]], []
         return [], prefilling[:1]
+
+
+def _cached_tokens(seq: Sequence) -> list[int]:
+    """The tokens whose KV a sequence's slot holds: the prompt as far as it was
+    prefilled, then every output token but the last (sampled, never fed back)."""
+    n = seq.n_prefilled + max(0, len(seq.output_ids) - 1)
+    return (list(seq.request.prompt_ids) + seq.output_ids)[:n]

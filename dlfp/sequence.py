@@ -63,6 +63,7 @@ class Request:
     ignore_eos: bool = False  # benchmarks force the output length for exact accounting
     request_id: str = ""
     tag: str = ""  # free-form label carried into the trace (turn number, document name)
+    cache_prompt: bool = True  # may start from a slot's cached prefix (llama.cpp's field; False: cold prefill)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -110,6 +111,7 @@ class Sequence:
     slot: int | None = None
     status: Status = Status.WAITING
     n_prefilled: int = 0
+    n_cached: int = 0  # prompt tokens reused from the slot's cache at admission (never prefilled here)
     n_prefill_chunks: int = 0
     in_flight: int = 0  # tokens of launched steps not yet back (pipelined engines)
     output_ids: list[int] = field(default_factory=list)

@@ -51,6 +51,7 @@ class RequestRecord:
     error: str | None
     finished_s: float | None
     n_prefill_chunks: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens reused from a cached prefix (not computed)
 
     @property
     def ok(self) -> bool:

@@ -64,6 +64,9 @@ def test_conformance(backend, check):
     assert result.status != FAIL, result.detail
     if check.name == "riding_chunk":
         assert result.status == (PASS if backend.capabilities.multi_sequence else SKIP)
+    elif check.name == "prefix_reuse":
+        assert result.status == PASS, result.detail
+        assert ("not declared" in result.detail) != backend.capabilities.prefix_reuse
     else:
         assert result.status == PASS, result.detail
 
@@ -92,6 +95,12 @@ class Broken(Backend):
         self._stale = False
         self.inner.free_sequence(seq_id)
 
+    def keep_prefix(self, seq_id, n_tokens):
+        if self.breaks.get("forget_prefix"):
+            self.inner.free_sequence(seq_id)  # claims to keep the prefix, drops it all
+            return True
+        return self.inner.keep_prefix(seq_id, n_tokens)
+
     def tokenize(self, text, add_special=True):
         return self.inner.tokenize(text, add_special)
 
@@ -115,6 +124,7 @@ def llama(tmp_path_factory):
         ({"launch_time": True}, "completion_timing"),
         ({"lie_single": True}, "capabilities"),
         ({"chunk_noise": True}, "chunked_prefill"),
+        ({"forget_prefix": True}, "prefix_reuse"),
     ],
 )
 def test_suite_catches_broken_adapter(llama, breaks, check):

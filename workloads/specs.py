@@ -25,6 +25,28 @@ class RequestClass:
 
 
 @dataclass(frozen=True)
+class SessionClass:
+    """Multi-turn chat sessions: each turn's prompt is the previous turn's prompt, the
+    reply it got, and a new user message, so the prompt grows by a reply and a message
+    a turn (what a chat app sends). Sessions arrive open-loop; within one, the next
+    message comes a think time after the reply."""
+
+    label: str
+    priority: str
+    first_len: int  # tokens of the first turn's prompt (system prompt and first message)
+    message_len: int  # tokens of every later user message
+    output_len: int  # reply tokens per turn
+    turns: int
+    count: int  # sessions
+    rate: float  # session arrivals per second
+    think_time_s: float  # mean pause between a reply and the next message
+
+    @property
+    def max_positions(self) -> int:
+        return self.first_len + (self.turns - 1) * self.message_len + self.turns * self.output_len
+
+
+@dataclass(frozen=True)
 class Gate:
     """What a candidate policy must show against the baseline, trial by trial.
 
@@ -55,10 +77,16 @@ class WorkloadSpec:
     # A CPU-bound child process competes for a core during the middle third of the
     # measured arrivals (started and stopped by the bench, recorded in the trace).
     neighbour: bool = False
+    sessions: tuple[SessionClass, ...] = ()  # multi-turn chats beside the single requests
 
     @property
     def foreground(self) -> RequestClass:
-        return next(c for c in self.classes if c.priority == FOREGROUND)
+        """The foreground class (a session class stands in as its first turn)."""
+        fg = next((c for c in self.classes if c.priority == FOREGROUND), None)
+        if fg is not None:
+            return fg
+        s = next(c for c in self.sessions if c.priority == FOREGROUND)
+        return RequestClass(s.label, s.priority, s.first_len, s.output_len, s.count * s.turns, s.rate)
 
     @property
     def has_background(self) -> bool:
@@ -67,7 +95,7 @@ class WorkloadSpec:
     @property
     def max_positions(self) -> int:
         """Context positions the longest request needs."""
-        return max(c.input_len + c.output_len for c in self.classes)
+        return max([c.input_len + c.output_len for c in self.classes] + [s.max_positions for s in self.sessions])
 
     def scaled(self, scale: float) -> "WorkloadSpec":
         """Every token count times `scale` (at least 1 token), ratios kept."""
@@ -78,12 +106,15 @@ class WorkloadSpec:
             return max(1, round(n * scale))
 
         classes = tuple(replace(c, input_len=s(c.input_len), output_len=s(c.output_len)) for c in self.classes)
-        prefix = min(round(self.shared_prefix * scale), min(c.input_len for c in classes) - 1)
-        return replace(self, classes=classes, shared_prefix=prefix, scale=self.scale * scale)
+        sessions = tuple(replace(c, first_len=s(c.first_len), message_len=s(c.message_len), output_len=s(c.output_len))
+                         for c in self.sessions)
+        prefix = min(round(self.shared_prefix * scale), min(c.input_len for c in classes) - 1) if classes else 0
+        return replace(self, classes=classes, sessions=sessions, shared_prefix=prefix, scale=self.scale * scale)
 
     def with_load(self, requests: int | None = None, rate: float | None = None) -> "WorkloadSpec":
-        """Set the foreground count/rate; background streams keep their proportion to it."""
-        fg = self.foreground
+        """Set the foreground count/rate (sessions, for a multi-turn workload); background
+        streams keep their proportion to it."""
+        fg = next((c for c in self.sessions if c.priority == FOREGROUND), None) or self.foreground
         n_factor = requests / fg.count if requests is not None else 1.0
         r_factor = rate / fg.rate if rate is not None else 1.0
         if requests is not None and requests < 1:
@@ -93,7 +124,10 @@ class WorkloadSpec:
         classes = tuple(
             replace(c, count=max(1, round(c.count * n_factor)), rate=c.rate * r_factor) for c in self.classes
         )
-        return replace(self, classes=classes)
+        sessions = tuple(
+            replace(c, count=max(1, round(c.count * n_factor)), rate=c.rate * r_factor) for c in self.sessions
+        )
+        return replace(self, classes=classes, sessions=sessions)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,6 +173,26 @@ SPECS: dict[str, WorkloadSpec] = {
         SLO(5.0, 0.100, 15.0),
         warmup=1,
         neighbour=True,
+    ),
+    # A chat that remembers: three 8-turn sessions (each turn = the previous prompt + the
+    # 48-token reply + a 48-token message) beside documents arriving in the background.
+    # With prefix reuse a turn prefills its new ~49 tokens; without it, the whole history.
+    "multi-turn": WorkloadSpec(
+        "multi-turn",
+        "3 chat sessions x 8 turns (192 first, +48 message, 48 reply; 2 s think) beside ingestion 1,536/8",
+        (RequestClass("ingest", BACKGROUND, 1536, 8, count=3, rate=0.03),),
+        SLO(5.0, 0.100, 15.0),
+        warmup=1,
+        sessions=(SessionClass("chat", FOREGROUND, 192, 48, 48, turns=8, count=3, rate=0.05, think_time_s=2.0),),
+    ),
+    # The same sessions while a folder of six documents is dropped at the start (the laptop job's ingestion).
+    "multi-turn-ingest": WorkloadSpec(
+        "multi-turn-ingest",
+        "3 chat sessions x 8 turns beside six 1,536-token documents submitted at once",
+        (RequestClass("ingest", BACKGROUND, 1536, 8, count=6, rate=float("inf")),),
+        SLO(5.0, 0.100, 15.0),
+        warmup=1,
+        sessions=(SessionClass("chat", FOREGROUND, 192, 48, 48, turns=8, count=3, rate=0.05, think_time_s=2.0),),
     ),
     # Do no harm: prompts short enough that an unbounded step already meets the
     # CPU profile's 100 ms target, at a light rate. DLFP must not make it worse.

@@ -1,15 +1,23 @@
 """From traces to the rows of trials.jsonl: metrics, accounting, agreement.
 
 Metric columns describe the foreground class (the one the cap protects); for
-workloads with background work, `bg_*` columns describe it. Every measured
+workloads with background work, `bg_*` columns describe it. Beside the ITL
+percentiles, what a person at the keyboard feels: the worst foreground stall
+(`itl_max_ms`) and the seconds spent in stalls over 1 s (`stall_s_over_1s`): one
+long freeze among hundreds of fast tokens barely moves a per-token percentile.
+`bg_prompt_tok_s_client` (prompt tokens of completed background requests over the
+run window) is measured the same way for every arm, endpoints included. Multi-turn
+workloads add the median TTFT per turn and the foreground prompt tokens reused. Every measured
 request must be accounted for: submitted = completed + failed, where completed
 means it produced exactly `max_tokens` tokens (EOS is ignored), and failed
 covers errors, aborts, short outputs and refusals at submit.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from dlfp.bench.runner import TrialRun
-from dlfp.metrics import percentile, request_metrics
+from dlfp.metrics import itls, percentile, request_metrics, ttft
 from dlfp.sequence import BACKGROUND, FOREGROUND
 from dlfp.trace import RequestRecord, StepRecord
 from dlfp.workloads.schedule import Schedule
@@ -53,18 +61,23 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     # Goodput counts against every submitted foreground request: a failed one met no SLO.
     row["goodput_fraction"] = row["slo_met"] / n_fg if n_fg else None
     row["bg_completed"] = sum(1 for r in bg if r.request_id in done_ids)
+    fg_done = [r for r in fg if r.request_id in done_ids]
+    row.update(_stalls(fg_done))
+    window = end - start
+    bg_prompt = sum(r.prompt_len for r in bg if r.request_id in done_ids)
+    row["bg_prompt_tok_s_client"] = bg_prompt / window if bg and window > 0 else None
+    row["fg_prompt_tokens_reused"] = sum(r.cached_prompt_tokens for r in fg_done)
+    row["fg_prompt_tokens_computed"] = row["fg_prompt_tokens"] - row["fg_prompt_tokens_reused"]
+    row.update(_by_turn(fg_done, planned))
     if not run.trace.steps:  # a target that cannot see its steps (an endpoint) has no step figures
         steps = None
     row["prefill_tok_s"] = _rate(steps, ("n_prefill_fg", "n_prefill_bg"), [(start, end)])
     row["bg_prefill_tok_s"] = _rate(steps, ("n_prefill_bg",), [(start, end)]) if bg else None
     row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), _fg_windows(fg)) if bg else None
-    done_fg = [r for r in fg if r.request_id in done_ids]
-    gaps = [b - a for r in done_fg for a, b in zip(r.token_times, r.token_times[1:])]
-    row["itl_max_ms"] = max(gaps) * 1e3 if gaps else None
     row.update(_step_stats(steps))
     if run.neighbour is not None:
         row["neighbour_s"] = [t - run.trace.origin for t in run.neighbour]
-        row["phases"] = _phases(done_fg, fg, steps, (start, *run.neighbour, end), bool(bg))
+        row["phases"] = _phases(fg_done, fg, steps, (start, *run.neighbour, end), bool(bg))
     row.update(_energy(run, start, end, list(records.values())))
     row["window_s"] = end - start
     row["goodput_req_s"] = row["slo_met"] / row["window_s"] if row.get("slo_met") is not None and end > start else None
@@ -72,6 +85,31 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     row["max_submit_lag_s"] = run.max_submit_lag_s
     row["notes"] = list(run.trace.notes)
     return row
+
+
+STALL_S = 1.0  # a gap between tokens a person notices as the text freezing
+
+
+def _stalls(fg: list[RequestRecord]) -> dict:
+    gaps = [g for r in fg for g in itls(r)]
+    return {"itl_max_ms": max(gaps) * 1e3 if gaps else None,
+            "stall_s_over_1s": sum(g for g in gaps if g > STALL_S) if gaps else None}
+
+
+def _by_turn(fg: list[RequestRecord], planned: dict) -> dict:
+    """Median TTFT per session turn, and turns 6-8 against turn 1 (multi-turn workloads)."""
+    by: dict[int, list[float]] = {}
+    for r in fg:
+        p = planned[r.request_id]
+        if p.session and r.token_times:
+            by.setdefault(p.turn, []).append(ttft(r))
+    if not by:
+        return {}
+    med = [float(np.median(by[k])) * 1e3 if k in by else None for k in range(max(by) + 1)]
+    late = [t for k in (5, 6, 7) if k in by for t in by[k]]
+    first = med[0]
+    ratio = float(np.median(late)) * 1e3 / first if late and first else None
+    return {"ttft_by_turn_ms": med, "ttft_turns_6_8_vs_1": ratio}
 
 
 def _latest_by_id(records) -> dict[str, RequestRecord]:

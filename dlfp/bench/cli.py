@@ -18,7 +18,7 @@ def _split(spec: str | None) -> list[str] | None:
 
 @click.command()
 @click.option("--workload", default="laptop", show_default=True,
-              help="chat, rag, agent, decode-heavy, laptop, low-interference")
+              help="chat, rag, agent, decode-heavy, laptop, low-interference, multi-turn, multi-turn-ingest")
 @click.option("--policies", default="unbounded,dlfp", show_default=True, help=POLICY_HELP + " (first: baseline)")
 @click.option("--seeds", type=int, multiple=True, help="Seeds, repeatable or space-separated  [default: 801 802 803]")
 @click.option("--rate", type=float, default=None, help="Foreground requests/s (default: the workload's).")
@@ -43,12 +43,14 @@ def _split(spec: str | None) -> list[str] | None:
 @click.option("--prompts", type=click.Choice(["text", "random"]), default="text", show_default=True,
               help="Exact-token prompts cut from bundled text (needs the target's tokenizer) or random ids.")
 @click.option("--vocab-size", type=int, default=None, help="Endpoints only: the served model's vocabulary size.")
+@click.option("--tokenizer", default=None, help="Endpoints only: the served model's GGUF, to cut text prompts.")
+@click.option("--no-cache-prompt", is_flag=True, help="Every request asks for a cold prefill (cache_prompt=false).")
 @click.option("--probe-period-s", type=float, default=0.5, show_default=True, help="Probe sampling period (0: off).")
 @click.argument("extra_seeds", nargs=-1, type=int)
 @click.pass_context
 def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstiness, slo, out, backend, model,
           profile, threads, kv_unified, itl_target_ms, sweep, overhead, from_config, gate_p99_itl_reduction,
-          endpoints, prompts, vocab_size, probe_period_s, extra_seeds):
+          endpoints, prompts, vocab_size, tokenizer, no_cache_prompt, probe_period_s, extra_seeds):
     """Paired trials of prefill policies on an exact-token workload."""
     if from_config:
         try:
@@ -64,7 +66,7 @@ def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstin
             backend=backend, model=model, profile=profile or _default_profile(backend), threads=threads, kv_unified=kv_unified,
             itl_target_ms=itl_target_ms, sweep=_expand_sweep(sweep), overhead=overhead,
             gate_p99_itl_reduction=gate_p99_itl_reduction, endpoints=list(endpoints), vocab_size=vocab_size,
-            prompts=prompts,
+            prompts=prompts, tokenizer=tokenizer, cache_prompt=not no_cache_prompt,
             probe_period_s=probe_period_s or None,
         )
     prof = get_profile(args.profile)

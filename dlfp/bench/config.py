@@ -42,6 +42,8 @@ class BenchArgs:
     endpoints: list[str] = field(default_factory=list)
     vocab_size: int | None = None  # for endpoints that do not report theirs
     prompts: str = "text"  # text windows of the bundled corpus, or random ids
+    cache_prompt: bool = True  # False: every request asks for a cold prefill (no prefix reuse)
+    tokenizer: str | None = None  # endpoints: a GGUF whose tokenizer cuts the text prompts
     probe_period_s: float | None = 0.5
 
     @classmethod

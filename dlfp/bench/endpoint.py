@@ -3,10 +3,18 @@ server, vLLM, Ollama): the same workloads, timed on the client.
 
 Each request streams from /v1/completions with its exact prompt token ids,
 `ignore_eos` (a vLLM extension most servers accept) and greedy sampling, and is
-timed as `vllm bench serve` times it: TTFT when the first chunk with choices
-arrives, one ITL per further such chunk. The `priority` class is sent only to a
+timed as `vllm bench serve` times it: TTFT when the first token's chunk arrives,
+one ITL per further token chunk. A chunk is a token only when it carries text or
+token ids: llama.cpp's server (like OpenAI's API) ends a stream with a chunk that
+carries the finish reason and empty text. The `priority` class is sent only to a
 server that takes it (one whose /v1/models says `owned_by: dlfp`), since vLLM
 reads an integer there and others may refuse the field.
+
+Token ids: dlfp returns them with `return_token_ids`; llama.cpp's server with
+`verbose` (each chunk's `__verbose.tokens`), which a multi-turn session needs to
+build its next prompt from the reply. A request with `cache_prompt=False` sends
+llama.cpp's `"cache_prompt": false`; the prompt tokens a server reused come back
+in `usage.prompt_tokens_details.cached_tokens` (OpenAI's field) where it says.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from dlfp.sequence import Request
 from dlfp.trace import RequestRecord, Trace
 
 DLFP_OWNER = "dlfp"
+LLAMACPP_OWNER = "llamacpp"  # llama.cpp's server in /v1/models
 UNKNOWN_TOKEN = -1  # the server did not say which token it sent (only how many)
 
 
@@ -108,6 +117,7 @@ class EndpointTarget:
         if self.send_priority is None:
             self.send_priority = is_dlfp
         self._token_ids = is_dlfp  # dlfp (like recent vLLM) returns token ids on request
+        self._verbose_ids = card.get("owned_by") == LLAMACPP_OWNER
 
     def _body(self, request: Request) -> dict:
         body = {"model": self.model, "prompt": request.prompt_ids, "max_tokens": request.max_tokens,
@@ -119,6 +129,10 @@ class EndpointTarget:
             body["priority"] = request.priority
         if self._token_ids:
             body["return_token_ids"] = True
+        if self._verbose_ids:
+            body["verbose"] = True
+        if not request.cache_prompt:
+            body["cache_prompt"] = False
         return body
 
     def _run(self, request: Request, arrival: float) -> RequestRecord:
@@ -144,6 +158,7 @@ class _Stream:
         self.times: list[float] = []
         self.ids: list[int] = []
         self.usage_tokens: int | None = None
+        self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
 
@@ -166,11 +181,15 @@ class _Stream:
                 return
             if chunk.get("choices"):
                 choice = chunk["choices"][0]
-                self.times.append(now)
-                self.ids.extend(choice.get("token_ids") or [])
+                ids = choice.get("token_ids") or _verbose_tokens(chunk, choice)
+                if choice.get("text") or choice.get("delta", {}).get("content") or ids:
+                    self.times.append(now)  # a token; a bare finish_reason chunk is not
+                    self.ids.extend(ids)
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
             if chunk.get("usage"):
-                self.usage_tokens = chunk["usage"].get("completion_tokens")
+                usage = chunk["usage"]
+                self.usage_tokens = usage.get("completion_tokens")
+                self.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         if self.error is None and self.finish_reason is None:
             self.error = "the stream ended without a finish reason"
 
@@ -181,8 +200,16 @@ class _Stream:
             request_id=request.request_id, priority=request.priority, tag=request.tag, arrival_s=arrival,
             prompt_len=len(request.prompt_ids), output_ids=ids, token_times=list(self.times),
             finish_reason=self.finish_reason if self.error is None else "error", error=self.error,
-            finished_s=time.perf_counter(),
+            finished_s=time.perf_counter(), cached_prompt_tokens=self.cached_tokens,
         )
+
+
+def _verbose_tokens(chunk: dict, choice: dict) -> list[int]:
+    """llama.cpp's token ids of a streamed chunk (`verbose`); its final chunk repeats none."""
+    if choice.get("finish_reason") is not None:
+        return []
+    verbose = chunk.get("__verbose")
+    return list(verbose.get("tokens") or []) if isinstance(verbose, dict) else []
 
 
 def _api_root(url: str) -> str:

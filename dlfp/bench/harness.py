@@ -47,7 +47,7 @@ class Bench:
 
     @property
     def total_requests(self) -> int:
-        per = self.spec.warmup + sum(c.count for c in self.spec.classes)
+        per = self.spec.warmup + sum(c.count for c in self.spec.classes) + sum(s.count * s.turns for s in self.spec.sessions)
         return per * len(self.arms) * len(self.args.seeds)
 
 
@@ -113,20 +113,37 @@ def prepare(args: BenchArgs, open_backend: Callable, profile) -> Bench:
     bench = Bench(args, spec, profile, arms, Path(args.out), itl_target, params)
     for arm in arms:
         _check_fits(spec, arm, args.vocab_size)
-    bench.pool, bench.prompt_source = _prompt_pool(args.prompts, arms[0].target)
+    bench.pool, bench.prompt_source = _prompt_pool(args.prompts, arms[0].target, args.tokenizer)
     return bench
 
 
-def _prompt_pool(kind: str, target) -> tuple[list[int] | None, str]:
-    """Text prompts need the target's tokenizer; an endpoint has none here, so it gets random ids."""
+def _prompt_pool(kind: str, target, tokenizer: str | None = None) -> tuple[list[int] | None, str]:
+    """Text prompts need a tokenizer: the target's, or for an endpoint the served model's
+    GGUF (`--tokenizer`); without one an endpoint gets random ids."""
     if kind not in ("text", "random"):
         raise BenchError(f"--prompts must be text or random, got {kind!r}")
     backend = getattr(target, "backend", None)
     if kind == "random":
         return None, "random"
+    if backend is None and tokenizer:
+        return _gguf_pool(tokenizer), f"text (tokenizer of {tokenizer})"
     if backend is None:
-        return None, "random (the target exposes no tokenizer)"
+        return None, "random (the target exposes no tokenizer: pass --tokenizer MODEL.gguf)"
     return text_pool(lambda text: backend.tokenize(text, add_special=False)), "text"
+
+
+def _gguf_pool(path: str) -> list[int]:
+    from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+    from dlfp.backends.protocol import Limits, ModelLoadError
+
+    try:
+        backend = LlamaCppBackend(LlamaCppConfig(path, limits=Limits(1, 64, 32), n_threads=1))
+    except (ImportError, ModelLoadError) as exc:
+        raise BenchError(f"--tokenizer {path}: {exc}") from None
+    try:
+        return text_pool(lambda text: backend.tokenize(text, add_special=False))
+    finally:
+        backend.close()
 
 
 def run(bench: Bench, on_request: Callable[[], None] | None = None,
@@ -147,7 +164,7 @@ def run(bench: Bench, on_request: Callable[[], None] | None = None,
             if on_trial:
                 on_trial(f"seed {seed}: {arm.name}")
             try:
-                trial = run_trial(arm, schedule, k, on_request)
+                trial = run_trial(arm, schedule, k, on_request, cache_prompt=bench.args.cache_prompt)
             except RuntimeError as exc:  # e.g. an external engine that fails to start
                 raise BenchError(f"{arm.name}: {exc}") from None
             paths = trial.trace.write(out, f"{seed}-{file_label(arm.name)}")

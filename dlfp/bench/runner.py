@@ -4,6 +4,11 @@ Warmup requests run first, one at a time, so caches and threads are warm. Then a
 submitter thread sleeps until each scheduled arrival and submits; it never waits
 for completions (open loop). The caller's thread collects the handles as they
 finish (for the progress bar) and finally closes the target for its trace.
+
+Multi-turn sessions arrive open-loop too; within one, a thread submits each turn a
+think time after the previous reply, its prompt built then from that turn's prompt
+and reply (they exist only at run time). A turn that fails ends its session: the
+turns left are recorded as refused, with the reason.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dlfp.bench.target import RunTarget
+from dlfp.sequence import Request
 from dlfp.trace import Trace
 from dlfp.workloads.schedule import PlannedRequest, Schedule
 
@@ -49,16 +55,18 @@ def run_trial(
     schedule: Schedule,
     order: int = 0,
     on_done: Callable[[], None] | None = None,
+    cache_prompt: bool = True,
 ) -> TrialRun:
+    """`cache_prompt=False`: every request asks for a cold prefill (llama.cpp's field)."""
     refused: dict[str, str] = {}
     t_start = time.perf_counter()
     arm.target.open(arm.policy)  # an engine target samples probes itself (dlfp.assembly)
     try:
         for p in schedule.warmup:  # closed loop: one after another
-            _wait(_submit(arm.target, p, refused))
+            _wait(_submit(arm.target, p, refused, cache_prompt=cache_prompt))
             if on_done:
                 on_done()
-        lag, neighbour = _open_loop(arm.target, schedule.measured, refused, on_done, schedule.neighbour_s)
+        lag, neighbour = _open_loop(arm.target, schedule, refused, on_done, cache_prompt)
     finally:
         trace = arm.target.close()
     window = None
@@ -69,40 +77,60 @@ def run_trial(
     return TrialRun(schedule.seed, arm.name, order, trace, refused, lag, time.perf_counter() - t_start, window)
 
 
-def _open_loop(target: RunTarget, planned: tuple[PlannedRequest, ...], refused: dict, on_done,
-               neighbour_s: tuple[float, float] | None = None):
-    """Returns (largest submission lag, the Neighbour if one ran)."""
+def _open_loop(target: RunTarget, schedule: Schedule, refused: dict, on_done, cache_prompt: bool):
+    """Submit on schedule (single requests from one thread, each session from its own);
+    returns (largest submission lag, the Neighbour if one ran)."""
     from dlfp.bench.neighbour import Neighbour
 
     handles: queue.Queue = queue.Queue()
     lag = [0.0]
-    neighbour = Neighbour() if neighbour_s is not None else None
+    window = schedule.neighbour_s
+    neighbour = Neighbour() if window is not None else None
     # (time from the start, action), run by the submitter between submissions
-    events = sorted([(neighbour_s[0], neighbour.start), (neighbour_s[1], neighbour.stop)]) if neighbour else []
+    events = sorted([(window[0], neighbour.start), (window[1], neighbour.stop)]) if neighbour else []
+    t0 = time.perf_counter()
+
+    def wait_until(arrival_s: float) -> None:
+        delay = t0 + arrival_s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        lag[0] = max(lag[0], -delay)
 
     def submitter() -> None:
-        t0 = time.perf_counter()
         pending = list(events)
         try:
-            for p in planned:
+            for p in schedule.singles():
                 pending = _fire(pending, t0, p.arrival_s)
-                delay = t0 + p.arrival_s - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                lag[0] = max(lag[0], -delay)
-                handles.put(_submit(target, p, refused))
+                wait_until(p.arrival_s)
+                handles.put(_submit(target, p, refused, cache_prompt=cache_prompt))
             _fire(pending, t0, float("inf"))
         finally:
             handles.put(_END)
 
-    thread = threading.Thread(target=submitter, name="dlfp-bench-submit", daemon=True)
-    thread.start()
+    def session(turns: tuple[PlannedRequest, ...]) -> None:
+        try:
+            wait_until(turns[0].arrival_s)
+            _run_session(target, turns, refused, handles.put, cache_prompt)
+        finally:
+            handles.put(_END)
+
+    threads = [threading.Thread(target=submitter, name="dlfp-bench-submit", daemon=True)]
+    threads += [threading.Thread(target=session, args=(turns,), name=f"dlfp-bench-{turns[0].session}", daemon=True)
+                for turns in schedule.sessions()]
+    for thread in threads:
+        thread.start()
     try:
-        while (handle := handles.get()) is not _END:
+        ended = 0
+        while ended < len(threads):
+            handle = handles.get()
+            if handle is _END:
+                ended += 1
+                continue
             _wait(handle)
             if on_done:
                 on_done()
-        thread.join()
+        for thread in threads:
+            thread.join()
     finally:
         if neighbour is not None:
             neighbour.stop()  # never leave the child running
@@ -120,10 +148,43 @@ def _fire(events: list, t0: float, until_s: float) -> list:
     return events
 
 
-def _submit(target: RunTarget, p: PlannedRequest, refused: dict):
+def _run_session(target: RunTarget, turns: tuple[PlannedRequest, ...], refused: dict, put, cache_prompt: bool) -> None:
+    """One chat: each turn's prompt = the previous prompt + its reply + this turn's message."""
+    history: list[int] = []
+    for k, p in enumerate(turns):
+        if k:
+            time.sleep(p.think_s)
+        request = p.to_request(history, cache_prompt)
+        handle = _submit(target, p, refused, request)
+        put(handle)
+        why = _turn_failed(handle, p)
+        if why is not None:
+            for later in turns[k + 1 :]:
+                refused[later.request_id] = f"session ended: {p.request_id} {why}"
+            return
+        history = request.prompt_ids + handle.result().output_ids
+
+
+def _turn_failed(handle, p: PlannedRequest) -> str | None:
+    """Why a session cannot go on after this turn (None: it can)."""
+    if handle is None:
+        return "was refused"
+    try:
+        record = handle.result()
+    except Exception as exc:  # noqa: BLE001 - the trace records the failure
+        return f"failed ({type(exc).__name__}: {exc})"
+    if not record.ok or len(record.output_ids) != p.max_tokens:
+        return f"failed ({record.error or 'short output'})"
+    if min(record.output_ids, default=0) < 0:
+        return "got a reply without token ids (the server does not return them): the next prompt cannot be built"
+    return None
+
+
+def _submit(target: RunTarget, p: PlannedRequest, refused: dict, request: Request | None = None,
+            cache_prompt: bool = True):
     """Submit now; a refusal (or a transport error) is recorded, never raised."""
     try:
-        return target.submit(p.to_request())
+        return target.submit(request if request is not None else p.to_request(cache_prompt=cache_prompt))
     except Exception as exc:  # noqa: BLE001 - a failed request is data, not a crash
         refused[p.request_id] = f"{type(exc).__name__}: {exc}"
         log.warning("request %s refused: %s", p.request_id, exc)

@@ -7,9 +7,11 @@ from rich.table import Table
 from dlfp.bench.paired import HIGHER_IS_BETTER
 
 TRIAL_COLUMNS = (
-    ("ITL p50", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"), ("ITL max", "itl_max_ms"), ("TTFT p99", "ttft_p99_ms"),
+    ("ITL p50", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"), ("ITL max", "itl_max_ms"),
+    ("stall>1s s", "stall_s_over_1s"), ("TTFT p99", "ttft_p99_ms"),
     ("E2EL p99", "e2el_p99_ms"), ("SLO", "slo_met"), ("bg tok/s", "bg_prefill_tok_s_fg_active"),
-    ("J/tok", "energy_per_output_token_j"),
+    ("bg ptok/s", "bg_prompt_tok_s_client"), ("fg reused", "fg_prompt_tokens_reused"),
+    ("TTFT 6-8/1", "ttft_turns_6_8_vs_1"), ("J/tok", "energy_per_output_token_j"),
 )
 SHOWN_PAIRED = ("itl_p99_ms", "itl_p50_ms", "ttft_p99_ms", "e2el_p99_ms", "goodput_fraction",
                 "bg_prefill_tok_s_fg_active", "energy_per_output_token_j")
@@ -33,11 +35,13 @@ def trials_table(rows: list[dict], console: Console) -> None:
     table = Table(title="trials: foreground latency in ms; bg tok/s while the foreground is active")
     for col in ("seed", "policy", "ok/sub"):
         table.add_column(col, no_wrap=True)
-    for label, _ in TRIAL_COLUMNS:
+    columns = [(label, k) for label, k in TRIAL_COLUMNS if any(r.get(k) is not None for r in rows)]  # none: not shown
+    for label, _ in columns:
         table.add_column(label, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(str(r["seed"]), r["policy"], f"{r['completed']}/{r['submitted']}",
-                      *[_fmt(r.get(k), 3 if k.startswith("energy") else 1) for _, k in TRIAL_COLUMNS])
+                      *[_fmt(r.get(k), 3 if k.startswith("energy") else 2 if k.startswith("ttft_turns") else 1)
+                        for _, k in columns])
     console.print(table)
 
 

@@ -146,6 +146,10 @@ class EngineBridge:
             sub.last_t = ev.t
         else:
             sub.finish_reason = ev.finish_reason  # /metrics counts it when the client's response ends
+            if sub.last_t is not None:  # its prompt was processed (reused or computed)
+                reused = ev.cached_tokens or 0
+                self.metrics.prompt.labels(priority, "reused").inc(reused)
+                self.metrics.prompt.labels(priority, "computed").inc(len(sub.handle.request.prompt_ids) - reused)
             if ev.request_id in self.at_signal:
                 self.at_signal[ev.request_id] = ev.finish_reason
             del self.in_flight[ev.request_id]

@@ -33,6 +33,7 @@ class Job:
     model: str
     request: Request
     created: int
+    cached_tokens: int = 0  # prompt tokens reused from a cached prefix (known when the request ends)
 
     @property
     def id(self) -> str:
@@ -77,7 +78,8 @@ class Job:
 
     def usage(self, n_out: int) -> dict:
         n_in = len(self.request.prompt_ids)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def _envelope(self, suffix: str, choices: list[dict]) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + suffix
@@ -113,7 +115,7 @@ def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: s
         raise bad_request(str(exc)) from None
     prefix = "chatcmpl" if chat else "cmpl"
     request = Request(prompt_ids, n_out, priority, sampling, body.ignore_eos,
-                      request_id=f"{prefix}-{uuid.uuid4().hex[:24]}", tag="http")
+                      request_id=f"{prefix}-{uuid.uuid4().hex[:24]}", tag="http", cache_prompt=body.cache_prompt)
     try:  # the engine checks again at submit; here the error comes before any 429 and names its field
         request.validate(backend.capabilities.vocab_size, context)
     except ValueError as exc:
@@ -169,7 +171,7 @@ async def _stream(job: Job, sub: Submitted, text: TextStream) -> AsyncIterator[s
                 sub.sent(1)
                 yield _sse(job.chunk(piece, ids))
                 continue
-            reason, error = _outcome(end)
+            reason, error = _outcome(end, job)
             if error is not None:
                 if ids:
                     sub.sent(1)
@@ -214,7 +216,7 @@ async def _gather(job: Job, sub: Submitted, text: TextStream) -> dict:
             if not text.stopped:
                 continue
             ev = _stopped(ev)
-        reason, error = _outcome(ev)
+        reason, error = _outcome(ev, job)
         sub.conclude(reason)
         if error is not None:
             raise error
@@ -225,7 +227,7 @@ async def _gather(job: Job, sub: Submitted, text: TextStream) -> dict:
 
 def _stopped(ev: TokenEvent) -> TokenEvent:
     """A stop string ended the text: the request is over for the client (we cancel it)."""
-    return TokenEvent(ev.request_id, None, ev.t, "stop")
+    return TokenEvent(ev.request_id, None, ev.t, "stop", cached_tokens=ev.cached_tokens)
 
 
 async def _disconnected(http: HTTPRequest) -> None:
@@ -233,7 +235,9 @@ async def _disconnected(http: HTTPRequest) -> None:
         pass
 
 
-def _outcome(ev: TokenEvent) -> tuple[str, APIError | None]:
+def _outcome(ev: TokenEvent, job: Job | None = None) -> tuple[str, APIError | None]:
+    if job is not None and ev.cached_tokens is not None:
+        job.cached_tokens = ev.cached_tokens
     reason = ev.finish_reason or "error"
     if reason in ("stop", "length"):
         return reason, None

@@ -25,6 +25,8 @@ class ServerMetrics:
         self.step = Histogram("dlfp_step_duration_seconds", "Completed engine step time",
                               ["guarded"], buckets=STEP_BUCKETS, registry=r)
         self.prefill = Counter("dlfp_prefill_tokens", "Prompt tokens processed, per class", ["priority"], registry=r)
+        self.prompt = Counter("dlfp_prompt_tokens", "Prompt tokens of requests that produced tokens, per class, "
+                              "reused from a cached prefix or computed", ["priority", "source"], registry=r)
         self.generated = Counter("dlfp_generation_tokens", "Tokens sent to clients, per class", ["priority"],
                                  registry=r)
         self.finished = Counter("dlfp_requests", "Finished requests, per class and the finish reason the client saw "

@@ -38,6 +38,7 @@ class _Common(BaseModel):
     n: int = 1
     ignore_eos: bool = False
     return_token_ids: bool = False
+    cache_prompt: bool = True  # llama.cpp's field: false prefills the whole prompt (no prefix reuse)
     # dlfp's class name, or vLLM's integer priority (lower runs first: <= 0 is foreground).
     priority: Literal["foreground", "background"] | int | None = None
 

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Side by side with llama.cpp's own server: build `llama-server` from the llama.cpp sources
+# vendored in the llama-cpp-python release this project pins (same kernels, same build flags
+# where they apply), start it and `dlfp serve` (unbounded, dlfp) on the same model, threads
+# and slots, and run ONE `dlfp bench --endpoint` over the three, same workload, same seeds.
+# A measurement tool, not a dependency: no test needs it.
+#
+#   bash scripts/llama_server_bench.sh --build-only      # build (cached) and print the binary's path
+#   bash scripts/llama_server_bench.sh                    # build if needed, start three servers, bench
+#
+# Environment (all optional):
+#   PY=.venv/bin/python   the interpreter with dlfp[server] installed
+#   MODEL=<default GGUF>  WORKLOAD=multi-turn-ingest  SEEDS="801 802 803"  THREADS=<physical cores>
+#   SLOTS=4 CTX_PER_SLOT=2048 (the cpu-laptop profile's)  OUT=runs/llama-server-side-by-side
+#   CACHE_PROMPT=1 (0: every request sends cache_prompt=false)  BENCH_ARGS="..." (extra dlfp bench options)
+#   PORTS="8201 8202 8203"  JOBS=<nproc>  DLFP_LLAMA_SERVER_CACHE=~/.cache/dlfp/llama-server
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_CPP_VERSION=0.3.36  # scripts/setup.sh pins the same release
+PY=${PY:-.venv/bin/python}
+DLFP=${DLFP:-$(dirname "$PY")/dlfp}
+WORKLOAD=${WORKLOAD:-multi-turn-ingest}
+SEEDS=${SEEDS:-801 802 803}
+SLOTS=${SLOTS:-4}
+CTX_PER_SLOT=${CTX_PER_SLOT:-2048}
+OUT=${OUT:-runs/llama-server-side-by-side}
+CACHE_PROMPT=${CACHE_PROMPT:-1}
+read -r P_LS P_UNB P_DLFP <<<"${PORTS:-8201 8202 8203}"
+JOBS=${JOBS:-$(nproc)}
+BUILD_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --build-only) BUILD_ONLY=1 ;;
+    *) echo "llama_server_bench.sh: unknown option $arg (use --build-only)" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf '[llama-server-bench] %s\n' "$*" >&2; }
+fail() { say "$*"; exit 1; }
+
+# The build flags of scripts/setup.sh where they apply (GGML_LLAMAFILE=OFF: the same matmul
+# kernels for every batch size), plus what a server build offline needs: no HTTPS, no web UI
+# (neither built with npm nor downloaded), a static binary.
+CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_LLAMAFILE=OFF
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF)
+key=$( { grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; echo "${CMAKE_FLAGS[*]}"; } | sha1sum | cut -c1-12)
+CACHE=${DLFP_LLAMA_SERVER_CACHE:-$HOME/.cache/dlfp/llama-server}/$LLAMA_CPP_VERSION-$(uname -m)-$key
+BIN=$CACHE/llama-server
+
+build() {
+  command -v cmake >/dev/null || fail "cmake is missing (apt-get install cmake)"
+  command -v ninja >/dev/null || fail "ninja is missing (apt-get install ninja-build)"
+  mkdir -p "$CACHE/src"
+  if [ ! -d "$CACHE/src/llama_cpp_python-$LLAMA_CPP_VERSION" ]; then
+    say "fetching the llama-cpp-python $LLAMA_CPP_VERSION sdist (its vendored llama.cpp is what we build)"
+    "$PY" -m pip download --quiet --disable-pip-version-check --no-binary :all: --no-deps \
+      -d "$CACHE/src" "llama-cpp-python==$LLAMA_CPP_VERSION"
+    tar -xzf "$CACHE/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" -C "$CACHE/src"
+  fi
+  local src=$CACHE/src/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp
+  say "building llama-server in $CACHE/build (~10+ min on 2 cores; cached afterwards)"
+  cmake -S "$src" -B "$CACHE/build" "${CMAKE_FLAGS[@]}" >"$CACHE/cmake.log" 2>&1 \
+    || { tail -20 "$CACHE/cmake.log"; fail "cmake configure failed (log: $CACHE/cmake.log)"; }
+  ninja -C "$CACHE/build" -j "$JOBS" llama-server >"$CACHE/ninja.log" 2>&1 \
+    || { tail -20 "$CACHE/ninja.log"; fail "build failed (log: $CACHE/ninja.log)"; }
+  cp "$CACHE/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"  # only a finished build is cached
+}
+
+[ -x "$BIN" ] || build
+say "llama-server: $BIN"
+[ "$BUILD_ONLY" = 1 ] && { echo "$BIN"; exit 0; }
+
+MODEL=${MODEL:-$("$PY" -c 'from dlfp.models import default_model_path; print(default_model_path())')}
+THREADS=${THREADS:-$("$PY" -c 'from dlfp.backends.protocol import physical_cores; print(physical_cores())')}
+mkdir -p "$OUT"
+PIDS=()
+cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+# --no-repack: the AMX weight repacking crash the backend avoids (use_extra_bufts off);
+# -fa off: the backend's attention kernels; -np/-c: the cpu-laptop profile's 4 slots of 2048
+# positions (non-unified KV, as dlfp's default); batch sizes stay the server's defaults
+# (n_batch 2048, n_ubatch 512): that is what a user runs.
+"$BIN" -m "$MODEL" --host 127.0.0.1 --port "$P_LS" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" \
+  -c $((SLOTS * CTX_PER_SLOT)) --no-kv-unified --no-repack -fa off --no-webui >"$OUT/llama-server.log" 2>&1 &
+PIDS+=($!)
+for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
+  read -r policy port <<<"$spec"
+  "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" \
+    >"$OUT/dlfp-serve-$policy.log" 2>&1 &
+  PIDS+=($!)
+done
+for port in "$P_LS" "$P_UNB" "$P_DLFP"; do
+  for _ in $(seq 120); do
+    curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
+    sleep 1
+  done
+  curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null || fail "no server answered on port $port (logs in $OUT)"
+done
+
+EXTRA=()
+[ "$CACHE_PROMPT" = 0 ] && EXTRA+=(--no-cache-prompt)
+say "dlfp bench --workload $WORKLOAD, seeds $SEEDS, $THREADS threads, $SLOTS slots -> $OUT"
+# shellcheck disable=SC2086
+"$DLFP" bench --workload "$WORKLOAD" --seeds $SEEDS --out "$OUT" --probe-period-s 0 \
+  --tokenizer "$MODEL" --vocab-size "$("$PY" -c "
+from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+print(LlamaCppBackend(LlamaCppConfig('$MODEL')).capabilities.vocab_size)")" \
+  --endpoint "llama-server=http://127.0.0.1:$P_LS/v1" \
+  --endpoint "unbounded=http://127.0.0.1:$P_UNB/v1" \
+  --endpoint "dlfp=http://127.0.0.1:$P_DLFP/v1" "${EXTRA[@]}" ${BENCH_ARGS:-}
