@@ -134,7 +134,7 @@ def build_decoder(spec: DecoderSpec):
             self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
 
-        def forward(self, x, cells, cos, sin, mask):
+        def forward(self, x, cells, cos, sin, bias):
             b, n, _ = x.shape
             h = self.attn_norm(x)
             # GQA without copying the cache: the rep query heads of a KV head ride as rep
@@ -149,7 +149,7 @@ def build_decoder(spec: DecoderSpec):
             self.k_cache.index_copy_(2, cells, k)
             self.v_cache.index_copy_(2, cells, v)
             scores = q @ self.k_cache.transpose(-1, -2) / math.sqrt(hd)  # [b, kv, n*rep, S]
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores + bias  # 0 where a cell may be seen, -inf where not
             att = torch.softmax(scores, dim=-1) @ self.v_cache  # [b, kv, n*rep, hd]
             att = att.view(b, spec.kv_heads, n, rep, hd).transpose(1, 2).contiguous()
             x = x + self.wo(att.view(b, n, spec.heads * hd))
@@ -182,9 +182,12 @@ def build_decoder(spec: DecoderSpec):
         def run(self, tokens, cells, pos, mask):
             """The layers: the one decoder body both layouts share."""
             cos, sin = self.cos[pos], self.sin[pos]
+            # The mask as an additive bias, made once per call: each layer then adds it
+            # (an add XNNPACK takes) instead of a masked fill on portable kernels.
+            bias = torch.where(mask, 0.0, float("-inf"))
             x = self.embed(tokens)
             for layer in self.layers:
-                x = layer(x, cells, cos, sin, mask)
+                x = layer(x, cells, cos, sin, bias)
             return x
 
     class PackedDecoder(Decoder):
