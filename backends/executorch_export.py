@@ -204,12 +204,14 @@ def build_decoder(spec: DecoderSpec):
             cell = torch.arange(spec.slots * spec.max_seq_len)
             self.register_buffer("cell_slot", cell // spec.max_seq_len, persistent=False)
             self.register_buffer("cell_pos", cell % spec.max_seq_len, persistent=False)
+            # A lookup, not slots * max_seq_len: the int8 quantizer would annotate (and floatify) a mul.
+            self.register_buffer("slot_base", torch.arange(spec.slots) * spec.max_seq_len, persistent=False)
 
         def forward(self, tokens, slots, positions, rows):
             by_row = self.row_token[: tokens.shape[1] * rep]  # query row t*rep + r: token t
             row_slot, row_pos = slots[by_row].unsqueeze(1), positions[by_row].unsqueeze(1)
             mask = (self.cell_slot.unsqueeze(0) == row_slot) & (self.cell_pos.unsqueeze(0) <= row_pos)
-            x = self.run(tokens, slots * spec.max_seq_len + positions, positions, mask)
+            x = self.run(tokens, self.slot_base[slots] + positions, positions, mask)
             return self.out(self.norm(x[0, rows, :]))
 
     return PackedDecoder() if spec.slots else Decoder()
