@@ -14,11 +14,16 @@ time (TIMING_SYNC_WALL); the pipe round trip is not in it. With `etdump=True` th
 worker also reads ExecuTorch's own per-execute spans back as `device_duration_s`
 (that read costs a flatc decode per step: for checks, not for serving).
 
-Several sequences in one step: each has its own loaded Program (one KV cache per
-Program), so a step's items run one after another, not as one batched kernel.
-`multi_sequence=True` (default) declares that a step may carry several
-sequences, and its duration is the sum; `multi_sequence=False` refuses such
-plans and the scheduler time-slices sequences instead. See backends/README.md.
+Several sequences in one step depend on the program's layout (the sidecar's
+"layout"). Per-sequence (the default export): each slot has its own loaded
+Program (one KV cache per Program), so a step's items run one after another, not
+as one batched kernel, and memory holds one copy of the weights per slot. Packed
+(`export-executorch --packed`): one Program whose cache holds every slot; the
+step's decodes and chunks go into one execute as [1, T] tokens tagged with their
+slot and position, so the linear layers run batched over the whole step and the
+weights are loaded once. `multi_sequence=True` (default) declares that a step
+may carry several sequences; `multi_sequence=False` refuses such plans and the
+scheduler time-slices sequences instead. See backends/README.md.
 """
 from __future__ import annotations
 
@@ -124,17 +129,20 @@ class ExecuTorchBackend(Backend):
         self.meta = read_sidecar(config.model_path)
         self.tokenizer = load_tokenizer(self.meta, config.model_path)
         self.n_threads = config.n_threads or physical_cores()
+        self.packed = self.meta.get("layout", "per-sequence") == "packed"
+        # A packed program's cache holds a fixed number of slots: the profile's count is lowered to it.
+        n_seq = min(config.limits.max_sequences, int(self.meta["slots"])) if self.packed else config.limits.max_sequences
         self.capabilities = Capabilities(
             owned_loop=True,
             multi_sequence=config.multi_sequence,
             per_step_chunking=True,
             timing=TIMING_SYNC_WALL,
-            max_sequences=config.limits.max_sequences,
+            max_sequences=n_seq,
             context_per_sequence=min(config.limits.context_per_sequence, int(self.meta["max_seq_len"])),
             max_batch_tokens=min(config.limits.max_batch_tokens, int(self.meta["max_chunk"])),
             vocab_size=int(self.meta["vocab_size"]),
         )
-        self._filled = [0] * config.limits.max_sequences  # positions each slot holds (cells past it are stale)
+        self._filled = [0] * n_seq  # positions each slot holds (cells past it are stale)
         self._conn, self._proc = None, None
         self._runtime_info = self._start_worker()
 
@@ -143,8 +151,8 @@ class ExecuTorchBackend(Backend):
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
         parent, child = ctx.Pipe()
-        args = (child, str(Path(self.config.model_path).resolve()), self.config.limits.max_sequences,
-                self.meta.get("method", "forward"), self.n_threads, self.config.etdump)
+        args = (child, str(Path(self.config.model_path).resolve()), self.capabilities.max_sequences,
+                self.meta.get("method", "forward"), self.n_threads, self.config.etdump, self.packed)
         self._proc = ctx.Process(target=executorch_worker.serve, args=args, name="dlfp-executorch", daemon=True)
         self._proc.start()
         child.close()
@@ -183,7 +191,7 @@ class ExecuTorchBackend(Backend):
         return StepResult(logits=logits, duration_s=duration, device_duration_s=device)
 
     def _items(self, plan: StepPlan) -> list[tuple[int, list[int], int, bool]]:
-        """Validate the plan before it reaches the runtime; one call per sequence."""
+        """Validate the plan before it reaches the runtime; one item per sequence."""
         validate_plan(plan, self.capabilities)
         items = [(d.seq_id, [d.token_id], d.position, True) for d in plan.decodes]
         items += [(c.seq_id, list(c.token_ids), c.start, c.wants_logits) for c in plan.prefills]
@@ -221,7 +229,10 @@ class ExecuTorchBackend(Backend):
             "model": self.meta.get("model", {}),
             **asdict(self.capabilities.limits()),
             "multi_sequence": self.config.multi_sequence,
-            "execution": "one Program per sequence; a step's items run one after another in a worker process",
+            "layout": "packed" if self.packed else "per-sequence",
+            "execution": ("one Program, one execute per step with every sequence packed, in a worker process"
+                          if self.packed else
+                          "one Program per sequence; a step's items run one after another in a worker process"),
             "etdump": self.config.etdump,
             **self._runtime_info,
         }

@@ -6,6 +6,14 @@ method serves a prefill chunk (L tokens at start_pos) and a decode (L = 1). The
 logits are those of the chunk's last token. Linear layers are lowered to XNNPACK;
 the cache update and attention mask run on ExecuTorch's portable kernels.
 
+`--packed` exports the same decoder with the other forward layout:
+`forward(tokens[1, T], slots[T], positions[T], rows[R]) -> logits[R, vocab]`, one
+KV cache holding `--slots` sequences end to end (cell slot*max_seq_len + pos), the
+mask built from compares so a token sees only its own slot's cells up to its
+position. One call then runs a whole step (every decode and chunk), with batched
+linear layers and one copy of the weights. The sidecar records the layout and how
+many ops XNNPACK took (`delegation`).
+
 The decoder is Llama-shaped (RMSNorm, RoPE on adjacent pairs, SwiGLU, GQA, tied or
 separate head). `--gguf FILE` fills it with a Llama-family GGUF's dequantised
 weights (gguf_weights.py: the reader the MLC build shares) and writes the GGUF's
@@ -47,6 +55,7 @@ class TinyConfig:
     max_seq_len: int = 4096  # positions one sequence may occupy (the cache length)
     max_chunk: int = 256  # largest L one call takes (sizes the activation arena)
     seed: int = 0
+    slots: int = 0  # 0: per-sequence layout; n >= 2: the packed layout with n slots
 
     def check(self) -> None:
         if self.vocab < BYTE_VOCAB:
@@ -55,6 +64,12 @@ class TinyConfig:
             raise ValueError("--dim must split into heads of even size")
         if not 2 <= self.max_chunk <= self.max_seq_len:
             raise ValueError("--max-chunk must be between 2 and --max-seq-len")
+        check_slots(self.slots)
+
+
+def check_slots(slots: int) -> None:
+    if slots == 1 or slots < 0:
+        raise ValueError("--packed needs --slots of at least 2")
 
 
 @dataclass(frozen=True)
@@ -73,12 +88,13 @@ class DecoderSpec:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tied: bool = False  # the output head reuses the embedding matrix
+    slots: int = 0  # 0: per-sequence layout (one cache); n: the packed layout, one cache of n slots
 
 
 def tiny_spec(cfg: TinyConfig) -> DecoderSpec:
     return DecoderSpec(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.heads,
                        head_dim=cfg.dim // cfg.heads, ffn=cfg.ffn, max_seq_len=cfg.max_seq_len,
-                       max_chunk=cfg.max_chunk)
+                       max_chunk=cfg.max_chunk, slots=cfg.slots)
 
 
 def build_decoder(spec: DecoderSpec):
@@ -112,11 +128,13 @@ def build_decoder(spec: DecoderSpec):
             self.w_gate = nn.Linear(spec.dim, spec.ffn, bias=False)
             self.w_up = nn.Linear(spec.dim, spec.ffn, bias=False)
             self.w_down = nn.Linear(spec.ffn, spec.dim, bias=False)
-            shape = (1, spec.kv_heads, spec.max_seq_len, hd)  # KV heads only: GQA keeps the cache small
+            # KV heads only (GQA keeps the cache small); the packed layout puts its slots
+            # end to end along the cell axis: slot s, position p is cell s*max_seq_len + p.
+            shape = (1, spec.kv_heads, max(1, spec.slots) * spec.max_seq_len, hd)
             self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
 
-        def forward(self, x, pos, cos, sin, mask):
+        def forward(self, x, cells, cos, sin, bias):
             b, n, _ = x.shape
             h = self.attn_norm(x)
             # GQA without copying the cache: the rep query heads of a KV head ride as rep
@@ -126,12 +144,12 @@ def build_decoder(spec: DecoderSpec):
             k, v = (w(h).view(b, n, spec.kv_heads, hd).transpose(1, 2) for w in (self.wk, self.wv))
             q, k = rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), rope(k, cos, sin)
             q = q.contiguous().view(b, spec.kv_heads, n * rep, hd)
-            # Write this chunk's keys/values at its positions; attend over the whole
-            # cache with a causal mask (stale cells past `pos` get weight zero).
-            self.k_cache.index_copy_(2, pos, k)
-            self.v_cache.index_copy_(2, pos, v)
+            # Write this step's keys/values at their cells; attend over the whole cache
+            # with the caller's mask (stale cells, and other slots' cells, get weight zero).
+            self.k_cache.index_copy_(2, cells, k)
+            self.v_cache.index_copy_(2, cells, v)
             scores = q @ self.k_cache.transpose(-1, -2) / math.sqrt(hd)  # [b, kv, n*rep, S]
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores + bias  # 0 where a cell may be seen, -inf where not
             att = torch.softmax(scores, dim=-1) @ self.v_cache  # [b, kv, n*rep, hd]
             att = att.view(b, spec.kv_heads, n, rep, hd).transpose(1, 2).contiguous()
             x = x + self.wo(att.view(b, n, spec.heads * hd))
@@ -156,15 +174,47 @@ def build_decoder(spec: DecoderSpec):
 
         def forward(self, tokens, start_pos):
             pos = self.cells[: tokens.shape[1]] + start_pos  # positions of this chunk
-            cos, sin = self.cos[pos], self.sin[pos]
             rows = self.row_token[: tokens.shape[1] * rep] + start_pos  # query row t*rep + r: token t
             mask = self.cells.unsqueeze(0) <= rows.unsqueeze(1)  # [L*rep, max_seq_len]
-            x = self.embed(tokens)
-            for layer in self.layers:
-                x = layer(x, pos, cos, sin, mask)
+            x = self.run(tokens, pos, pos, mask)
             return self.out(self.norm(x[:, -1, :]))
 
-    return Decoder()
+        def run(self, tokens, cells, pos, mask):
+            """The layers: the one decoder body both layouts share."""
+            cos, sin = self.cos[pos], self.sin[pos]
+            # The mask as an additive bias, made once per call: each layer then adds it
+            # (an add XNNPACK takes) instead of a masked fill on portable kernels.
+            bias = torch.where(mask, 0.0, float("-inf"))
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x, cells, cos, sin, bias)
+            return x
+
+    class PackedDecoder(Decoder):
+        """forward(tokens[1, T], slots[T], positions[T], rows[R]) -> logits[R, vocab].
+
+        Any mix of decodes and chunks of different sequences in one call: token t
+        writes cell slots[t]*S + positions[t] and sees only its own slot's cells at
+        positions <= its own (the mask is compares and an AND, for portable kernels).
+        `rows` picks the tokens whose logits come back (each sequence's last token).
+        """
+
+        def __init__(self):
+            super().__init__()
+            cell = torch.arange(spec.slots * spec.max_seq_len)
+            self.register_buffer("cell_slot", cell // spec.max_seq_len, persistent=False)
+            self.register_buffer("cell_pos", cell % spec.max_seq_len, persistent=False)
+            # A lookup, not slots * max_seq_len: the int8 quantizer would annotate (and floatify) a mul.
+            self.register_buffer("slot_base", torch.arange(spec.slots) * spec.max_seq_len, persistent=False)
+
+        def forward(self, tokens, slots, positions, rows):
+            by_row = self.row_token[: tokens.shape[1] * rep]  # query row t*rep + r: token t
+            row_slot, row_pos = slots[by_row].unsqueeze(1), positions[by_row].unsqueeze(1)
+            mask = (self.cell_slot.unsqueeze(0) == row_slot) & (self.cell_pos.unsqueeze(0) <= row_pos)
+            x = self.run(tokens, self.slot_base[slots] + positions, positions, mask)
+            return self.out(self.norm(x[0, rows, :]))
+
+    return PackedDecoder() if spec.slots else Decoder()
 
 
 def build_model(cfg: TinyConfig):
@@ -186,12 +236,12 @@ GGUF_LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "a
                     "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
 
 
-def gguf_spec(cfg, max_seq_len: int, max_chunk: int) -> DecoderSpec:
+def gguf_spec(cfg, max_seq_len: int, max_chunk: int, slots: int = 0) -> DecoderSpec:
     """The decoder shape for a GGUF's LlamaConfig (gguf_weights.read_config)."""
     return DecoderSpec(vocab=cfg.vocab_size, dim=cfg.hidden_size, layers=cfg.num_layers, heads=cfg.num_heads,
                        kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, ffn=cfg.intermediate_size,
                        max_seq_len=max_seq_len, max_chunk=max_chunk, rope_theta=cfg.rope_theta,
-                       norm_eps=cfg.rms_norm_eps, tied=cfg.tied_embeddings)
+                       norm_eps=cfg.rms_norm_eps, tied=cfg.tied_embeddings, slots=slots)
 
 
 def state_from_gguf(weights: dict) -> dict:
@@ -208,9 +258,9 @@ def state_from_gguf(weights: dict) -> dict:
     return {k: torch.from_numpy(v) for k, v in out.items()}
 
 
-def model_from_gguf(cfg, weights: dict, max_seq_len: int, max_chunk: int):
+def model_from_gguf(cfg, weights: dict, max_seq_len: int, max_chunk: int, slots: int = 0):
     """The decoder with a GGUF's dequantised weights (fp32)."""
-    model = build_decoder(gguf_spec(cfg, max_seq_len, max_chunk))
+    model = build_decoder(gguf_spec(cfg, max_seq_len, max_chunk, slots))
     state = state_from_gguf(weights)
     if cfg.tied_embeddings:
         state["out.weight"] = state["embed.weight"]
@@ -223,8 +273,22 @@ def model_from_gguf(cfg, weights: dict, max_seq_len: int, max_chunk: int):
 DTYPES = ("fp32", "int8")  # int8: linear weights int8 per channel, activations quantised per token at run time
 
 
-def export_pte(model, out: Path, max_chunk: int, dtype: str = "fp32") -> Path:
-    """torch.export with dynamic L, XNNPACK lowering, mutable-buffer KV cache."""
+def export_inputs(max_chunk: int, slots: int = 0):
+    """Example inputs and dynamic shapes: (tokens, start_pos), or the packed (tokens, slots, positions, rows)."""
+    import torch
+
+    length = torch.export.Dim("L", min=1, max=max_chunk)
+    if not slots:
+        return (torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long)), ({1: length}, None)
+    n_rows = torch.export.Dim("R", min=1, max=slots)  # one logits row per sequence in the step
+    two = torch.zeros(2, dtype=torch.long)
+    example = (torch.zeros(1, 2, dtype=torch.long), two, torch.arange(2), torch.arange(2))
+    return example, ({1: length}, {0: length}, {0: length}, {0: n_rows})
+
+
+def export_pte(model, out: Path, max_chunk: int, dtype: str = "fp32", slots: int = 0) -> tuple[Path, dict]:
+    """torch.export with dynamic L, XNNPACK lowering, mutable-buffer KV cache; returns the file and
+    the delegation summary (the sidecar keeps it)."""
     import torch
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -234,15 +298,14 @@ def export_pte(model, out: Path, max_chunk: int, dtype: str = "fp32") -> Path:
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {DTYPES}")
-    length = torch.export.Dim("L", min=1, max=max_chunk)
-    example = (torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    dynamic = ({1: length}, None)
+    example, dynamic = export_inputs(max_chunk, slots)
     with torch.no_grad():
         exported = torch.export.export(model, example, dynamic_shapes=dynamic, strict=False)
         if dtype == "int8":
             exported = torch.export.export(_quantize_int8(exported, example), example,
                                            dynamic_shapes=dynamic, strict=False)
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    delegation = delegation_summary(edge)
     program = edge.to_executorch(
         ExecutorchBackendConfig(
             # ExecuTorch leaves mutated buffers uninitialised unless told: a masked cell
@@ -254,7 +317,17 @@ def export_pte(model, out: Path, max_chunk: int, dtype: str = "fp32") -> Path:
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(program.buffer)
-    return out
+    return out, delegation
+
+
+def delegation_summary(edge) -> dict:
+    """How many ops XNNPACK took and which stayed on portable kernels (ExecuTorch's delegation info)."""
+    from executorch.devtools.backend_debug import get_delegation_info
+
+    info = get_delegation_info(edge.exported_program().graph_module)
+    portable = {op: b.non_delegated for op, b in sorted(info.delegation_by_operator.items()) if b.non_delegated}
+    return {"delegated_ops": int(info.num_delegated_nodes), "portable_ops": int(info.num_non_delegated_nodes),
+            "delegated_subgraphs": int(info.num_delegated_subgraphs), "portable_by_op": portable}
 
 
 def _quantize_int8(exported, example):
@@ -290,10 +363,17 @@ def write_sidecar(pte: Path, meta: dict) -> Path:
     return path
 
 
+def layout_meta(slots: int, delegation: dict) -> dict:
+    """The sidecar's layout: how the adapter must call the method, and what XNNPACK took."""
+    layout = {"layout": "packed", "slots": slots} if slots else {"layout": "per-sequence"}
+    return {**layout, "delegation": delegation}
+
+
 def export_tiny(out: str | Path, cfg: TinyConfig) -> Path:
     cfg.check()
-    pte = export_pte(build_model(cfg), Path(out), cfg.max_chunk)
+    pte, delegation = export_pte(build_model(cfg), Path(out), cfg.max_chunk, slots=cfg.slots)
     write_sidecar(pte, {
+        **layout_meta(cfg.slots, delegation),
         "vocab_size": cfg.vocab,
         "max_seq_len": cfg.max_seq_len,
         "max_chunk": cfg.max_chunk,
@@ -305,7 +385,7 @@ def export_tiny(out: str | Path, cfg: TinyConfig) -> Path:
 
 
 def export_gguf(gguf_path: str | Path, out: str | Path, max_seq_len: int = 2048, max_chunk: int = 256,
-                dtype: str = "int8") -> Path:
+                dtype: str = "int8", slots: int = 0) -> Path:
     """A Llama-family GGUF's real weights, config and tokenizer as a .pte + sidecar + tokenizer folder."""
     from dlfp.backends import gguf_weights
 
@@ -313,13 +393,16 @@ def export_gguf(gguf_path: str | Path, out: str | Path, max_seq_len: int = 2048,
         raise ValueError("--max-chunk must be between 2 and --max-seq-len")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {DTYPES}")
+    check_slots(slots)
     cfg, weights = gguf_weights.load(gguf_path)
     if max_seq_len > cfg.context_length:
         raise ValueError(f"--max-seq-len {max_seq_len} is past the model's context of {cfg.context_length}")
     out = Path(out)
     tok_dir = gguf_weights.write_tokenizer(gguf_path, tokenizer_dir(out))
-    pte = export_pte(model_from_gguf(cfg, weights, max_seq_len, max_chunk), out, max_chunk, dtype)
+    pte, delegation = export_pte(model_from_gguf(cfg, weights, max_seq_len, max_chunk, slots), out, max_chunk,
+                                 dtype, slots)
     write_sidecar(pte, {
+        **layout_meta(slots, delegation),
         "vocab_size": cfg.vocab_size,
         "max_seq_len": max_seq_len,
         "max_chunk": max_chunk,
@@ -346,7 +429,12 @@ def export_gguf(gguf_path: str | Path, out: str | Path, max_seq_len: int = 2048,
 @click.option("--max-chunk", type=int, default=TinyConfig.max_chunk, show_default=True,
               help="Largest number of tokens one call takes.")
 @click.option("--seed", type=int, default=TinyConfig.seed, show_default=True)
-def export_command(out, gguf_file, dtype, layers, dim, heads, vocab, max_seq_len, max_chunk, seed) -> None:
+@click.option("--packed", is_flag=True,
+              help="One method call per step for every sequence: tokens carry their slot and position, "
+                   "one KV cache holds --slots sequences, one copy of the weights.")
+@click.option("--slots", type=int, default=4, show_default=True, help="--packed only: sequences the cache holds.")
+def export_command(out, gguf_file, dtype, layers, dim, heads, vocab, max_seq_len, max_chunk, seed, packed,
+                   slots) -> None:
     """Export a GGUF's model (--gguf), or a tiny random-weight decoder, to an XNNPACK .pte."""
     import warnings
 
@@ -357,13 +445,18 @@ def export_command(out, gguf_file, dtype, layers, dim, heads, vocab, max_seq_len
             if gguf_file is not None:
                 from dlfp.backends.gguf_weights import resolve
 
-                pte = export_gguf(resolve(gguf_file), out, max_seq_len or 2048, max_chunk, dtype)
+                pte = export_gguf(resolve(gguf_file), out, max_seq_len or 2048, max_chunk, dtype,
+                                  slots if packed else 0)
             else:
                 cfg = TinyConfig(vocab=vocab, dim=dim, layers=layers, heads=heads, ffn=2 * dim,
-                                 max_seq_len=max_seq_len or TinyConfig.max_seq_len, max_chunk=max_chunk, seed=seed)
+                                 max_seq_len=max_seq_len or TinyConfig.max_seq_len, max_chunk=max_chunk, seed=seed,
+                                 slots=slots if packed else 0)
                 cfg.check()
                 pte = export_tiny(out, cfg)
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {pte} ({pte.stat().st_size / 1e6:.1f} MB) and {sidecar_path(pte)} in {time.perf_counter() - t0:.0f} s")
+    d = json.loads(sidecar_path(pte).read_text())["delegation"]
+    click.echo(f"XNNPACK took {d['delegated_ops']} ops in {d['delegated_subgraphs']} subgraphs; "
+               f"{d['portable_ops']} left to portable kernels: {d['portable_by_op']}")
 

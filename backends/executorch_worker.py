@@ -6,8 +6,11 @@ Protocol over a multiprocessing Pipe, one request then one reply:
   ("close",) -> the process exits
 Any failure replies ("error", message); the process keeps serving.
 
-Each slot has its own loaded Program: two Programs from one file keep separate
-mutable buffers (KV caches), while two Methods of one Program would share one.
+Per-sequence layout: each slot has its own loaded Program (two Programs from one
+file keep separate mutable buffers, i.e. KV caches; two Methods of one Program would
+share one), and a step's items run one execute after another. Packed layout: ONE
+Program whose cache holds every slot; a step's items are packed into one execute
+(tokens, slots, positions, rows) and its logits rows are handed back per sequence.
 """
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ import warnings
 EXECUTE_EVENT = "Method::execute"
 
 
-def serve(conn, pte_path: str, n_slots: int, method: str, n_threads: int, etdump: bool) -> None:
+def serve(conn, pte_path: str, n_slots: int, method: str, n_threads: int, etdump: bool, packed: bool = False) -> None:
     warnings.filterwarnings("ignore")
     try:
-        slots = _load(pte_path, n_slots, method, n_threads, etdump)
+        slots = _load(pte_path, 1 if packed else n_slots, method, n_threads, etdump)
     except Exception as exc:  # report a load failure as one line, then exit
         conn.send(("error", f"ExecuTorch could not load {pte_path}: {exc}"))
         return
@@ -34,7 +37,8 @@ def serve(conn, pte_path: str, n_slots: int, method: str, n_threads: int, etdump
         if msg[0] == "close":
             return
         try:
-            conn.send(("ok", *_step(slots, msg[1], etdump, pte_path)))
+            step = _step_packed if packed else _step
+            conn.send(("ok", *step(slots, msg[1], etdump, pte_path)))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -66,6 +70,28 @@ def _step(slots: list, items: list, etdump: bool, pte_path: str):
             logits[slot] = out[0][0].numpy().astype("float32", copy=True)
     duration = time.perf_counter() - t_start
     device = _etdump_seconds({slot for slot, *_ in items}, slots, pte_path) if etdump else None
+    return logits, duration, device
+
+
+def _step_packed(programs: list, items: list, etdump: bool, pte_path: str):
+    """All items in one execute: each token tagged with its slot and position."""
+    import torch
+
+    tokens, slots, positions, rows, wanted = [], [], [], [], []
+    for slot, token_ids, start, wants_logits in items:
+        tokens += token_ids
+        slots += [slot] * len(token_ids)
+        positions += range(start, start + len(token_ids))
+        if wants_logits:
+            rows.append(len(tokens) - 1)  # the item's last token
+            wanted.append(slot)
+    inputs = [torch.tensor([tokens], dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+              torch.tensor(positions, dtype=torch.long), torch.tensor(rows or [len(tokens) - 1], dtype=torch.long)]
+    t_start = time.perf_counter()
+    out = programs[0][1].execute(inputs)[0]
+    duration = time.perf_counter() - t_start
+    logits = {slot: out[i].numpy().astype("float32", copy=True) for i, slot in enumerate(wanted)}
+    device = _etdump_seconds({0}, programs, pte_path) if etdump else None
     return logits, duration, device
 
 

@@ -23,13 +23,14 @@ def _llamacpp(tmp):
     return LlamaCppBackend(LlamaCppConfig(str(path), limits=Limits(4, 512, 128), n_threads=1))
 
 
-def _executorch(tmp, multi_sequence=True):
+def _executorch(tmp, multi_sequence=True, packed=False):
     pytest.importorskip("executorch")
-    from tiny_pte import tiny_pte
+    from tiny_pte import tiny_packed_pte, tiny_pte
 
     from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig
 
-    cfg = ExecuTorchConfig(str(tiny_pte(tmp)), Limits(4, 2048, 128), n_threads=1, multi_sequence=multi_sequence)
+    pte = tiny_packed_pte(tmp) if packed else tiny_pte(tmp)
+    cfg = ExecuTorchConfig(str(pte), Limits(4, 2048, 128), n_threads=1, multi_sequence=multi_sequence)
     return ExecuTorchBackend(cfg)
 
 
@@ -48,6 +49,8 @@ FACTORIES = {
     "executorch": _executorch,
     # The same program declared single-sequence: the scheduler must time-slice it.
     "executorch-single": lambda tmp: _executorch(tmp, multi_sequence=False),
+    # One Program, one execute per step, every sequence packed into it.
+    "executorch-packed": lambda tmp: _executorch(tmp, packed=True),
 }
 
 
