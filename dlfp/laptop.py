@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from dlfp.backends.protocol import Backend
-from dlfp.assembly import build_engine
-from dlfp.controller import PrefillPolicy, params_to_dict, parse_policy
+from dlfp.assembly import build_engine, make_policy
+from dlfp.controller import PrefillPolicy, params_to_dict
 from dlfp.devices.energy import energy_report
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine, InvalidRequest
@@ -197,7 +197,8 @@ def run_laptop(backend: Backend, settings: LaptopSettings, on_progress=None, on_
     for label, spec, with_bg in runs:
         if on_session:
             on_session(label)
-        sessions.append(run_session(backend, parse_policy(spec, params), settings, label, with_bg, on_progress))
+        policy = make_policy(spec, settings.profile, settings.itl_target_ms)
+        sessions.append(run_session(backend, policy, settings, label, with_bg, on_progress))
     decode_only, policy_sessions = sessions[0], sessions[1:]
     match, mismatches = outputs_match(sessions)
     summary = {
