@@ -38,6 +38,7 @@ import numpy as np
 from dlfp.backends.protocol import Backend, BackendError, DoneStep, PendingStep
 from dlfp.controller import PrefillPolicy, make_budget_policy
 from dlfp.observer import StepObserver, step_shape
+from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sampling import sample
 from dlfp.scheduler import PlannedStep, Scheduler
 from dlfp.sequence import FOREGROUND, FinishReason, Request, Sequence, Status
@@ -134,6 +135,7 @@ class EngineConfig:
     seed: int = 0
     idle_wait_s: float = 0.05
     prefix_reuse: bool = True  # reuse cached prompt prefixes where the backend can (requests may opt out)
+    prefix_hold_s: float | None = DEFAULT_HOLD_S  # a conversation's cached prefix is kept from background this long
 
 
 class Engine:
@@ -151,7 +153,8 @@ class Engine:
         self.clock = clock
         self.trace = trace or Trace(origin=clock())
         caps = backend.capabilities
-        self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos, self.config.prefix_reuse)
+        self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos, self.config.prefix_reuse,
+                                   self.config.prefix_hold_s)
         budget = None
         if self.config.preemption_budget_s is not None:
             budget = make_budget_policy(self.config.preemption_budget_s, self.config.preemption_initial,
@@ -325,7 +328,7 @@ class Engine:
                 self._finish(self._seqs[item], FinishReason.ABORT)
 
     def _step(self) -> None:
-        for seq in self.scheduler.admit():
+        for seq in self.scheduler.admit(self.clock()):
             self._prepare_slot(seq)
         obs = self.observer
         cap = obs.begin(self.scheduler.guarded())

@@ -2,12 +2,26 @@
 
 A finished request's tokens stay in its slot (the backend keeps their KV), so a
 chat's next turn, whose prompt starts with the previous prompt and reply, needs to
-prefill only what is new. Choosing a slot for a request:
+prefill only what is new. A free slot's content is one of:
 
-1. the free slot whose cached tokens share the longest prefix with the prompt;
-   ties go to the least recently used slot (an empty slot counts as least recent);
-2. a background request does not take a slot whose tokens came from a foreground
-   request (a live conversation) while another free slot can serve it.
+- empty (never used, or its cache was dropped);
+- background: left by a background request, or by a conversation idle for longer
+  than the hold time (`hold_s`), i.e. nothing anyone is likely to ask for again;
+- a live conversation: left by a foreground request within the hold time.
+
+Choosing a slot for a foreground request:
+
+1. a slot the prompt continues (the common prefix covers at least half of the
+   slot's cached tokens, as llama.cpp's server's slot similarity): the longest
+   common prefix wins, ties go to the least recently used slot;
+2. otherwise a slot to evict, in order: empty, background, then the least recently
+   used live conversation.
+
+A background request never evicts a live conversation while another free slot can
+serve it (empty or background); it waits instead. So that background work always
+progresses, a live conversation's slot is given up when it is the only kind of
+free slot and no background request holds any slot (at least one slot is always
+usable by background work; the longest-idle conversation pays).
 
 The slot keeps the common prefix and drops the rest; at least one prompt token is
 always left to prefill, since the first output token needs the last prompt
@@ -19,6 +33,8 @@ from dataclasses import dataclass, field
 
 from dlfp.sequence import FOREGROUND
 
+DEFAULT_HOLD_S = 120.0  # a chat's think time between turns is well under this; a closed chat's slot returns after it
+
 
 @dataclass
 class SlotState:
@@ -26,6 +42,7 @@ class SlotState:
     tokens: list[int] = field(default_factory=list)  # whose KV the slot holds, positions 0..n-1
     priority: str | None = None  # class of the request that left them (None: empty)
     last_used: int = -1  # use counter at the last admission or release (-1: never)
+    last_used_s: float = float("-inf")  # clock time of the last admission or release
     busy: bool = False
 
 
@@ -44,10 +61,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    """Slot pool with prefix reuse; `enabled=False` keeps no tokens (a plain free list)."""
+    """Slot pool with prefix reuse; `enabled=False` keeps no tokens (a plain free list).
 
-    def __init__(self, n_slots: int, enabled: bool = True):
+    `hold_s`: how long after its last use a conversation's slot is protected from
+    background requests (None: for ever, still subject to the progress rule above).
+    """
+
+    def __init__(self, n_slots: int, enabled: bool = True, hold_s: float | None = DEFAULT_HOLD_S):
+        if hold_s is not None and hold_s < 0:
+            raise ValueError(f"prefix hold time must be >= 0 s, got {hold_s}")
         self.enabled = enabled
+        self.hold_s = hold_s
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._clock = 0
 
@@ -57,30 +81,59 @@ class PrefixCache:
     def n_free(self) -> int:
         return sum(1 for s in self.slots if not s.busy)
 
-    def acquire(self, prompt: list[int], priority: str, reuse: bool = True) -> Grant:
-        """Take the best free slot for `prompt` (raises LookupError when none is free)."""
+    def live(self, s: SlotState, now: float) -> bool:
+        """Whether a free slot holds a live conversation's prefix."""
+        if not (self.enabled and s.tokens and s.priority == FOREGROUND):
+            return False
+        return self.hold_s is None or now - s.last_used_s <= self.hold_s
+
+    def usable_by_background(self, now: float) -> list[SlotState]:
+        """Free slots a background request may take now (see the module docstring)."""
         free = [s for s in self.slots if not s.busy]
-        if not free:
-            raise LookupError("no free sequence slot")
-        if priority != FOREGROUND:
-            spare = [s for s in free if s.priority != FOREGROUND]
-            free = spare or free  # a conversation's slot only when nothing else can serve
+        spare = [s for s in free if not self.live(s, now)]
+        if spare or any(s.busy and s.priority != FOREGROUND for s in self.slots):
+            return spare
+        return sorted(free, key=lambda s: s.last_used)[:1]  # background must progress: the longest idle
+
+    def acquire(self, prompt: list[int], priority: str, reuse: bool = True, now: float = 0.0) -> Grant | None:
+        """Take the best free slot for `prompt`; None when no slot may serve it
+        (none free, or, for background, only live conversations' slots)."""
         use = self.enabled and reuse
+        if priority == FOREGROUND:
+            free = [s for s in self.slots if not s.busy]
+        else:
+            free = self.usable_by_background(now)
+        if not free:
+            return None
         lcp = {s.slot: common_prefix(s.tokens, prompt) if use else 0 for s in free}
-        best = max(free, key=lambda s: (lcp[s.slot], -s.last_used))
+        best = self._choose(free, lcp, priority, now)
         reused = min(lcp[best.slot], len(prompt) - 1)  # leave a token to prefill for the first logits
         best.busy = True
         best.tokens = list(prompt[:reused]) if use else []
         best.priority = priority
-        best.last_used = self._tick()
+        best.last_used, best.last_used_s = self._tick(), now
         return Grant(best.slot, max(reused, 0))
 
-    def release(self, slot: int, tokens: list[int] | None) -> None:
+    def _choose(self, free: list[SlotState], lcp: dict[int, int], priority: str, now: float) -> SlotState:
+        continues = [s for s in free if lcp[s.slot] and 2 * lcp[s.slot] >= len(s.tokens)]
+        if continues:
+            return max(continues, key=lambda s: (lcp[s.slot], -s.last_used))
+        if priority != FOREGROUND:  # every slot offered is one background may take
+            return max(free, key=lambda s: (lcp[s.slot], -s.last_used))
+
+        def order(s: SlotState) -> tuple:  # empty, background (longest prefix first), then the LRU conversation
+            if self.live(s, now):
+                return (2, 0, s.last_used)
+            return (1 if s.tokens else 0, -lcp[s.slot], s.last_used)
+
+        return min(free, key=order)
+
+    def release(self, slot: int, tokens: list[int] | None, now: float = 0.0) -> None:
         """The slot's request ended; `tokens` are those whose KV the slot now holds
         (None: the cache is not trusted, e.g. a failed step, and counts as empty)."""
         s = self.slots[slot]
         s.busy = False
-        s.last_used = self._tick()
+        s.last_used, s.last_used_s = self._tick(), now
         if tokens is None or not self.enabled:
             s.tokens, s.priority = [], None
         else:

@@ -18,6 +18,8 @@ Prefix reuse (backends that declare `prefix_reuse`): a finished sequence's token
 stay in its slot, and a new sequence is admitted to the slot sharing the longest
 prompt prefix (`dlfp.prefix_cache`); it starts with those tokens already prefilled,
 so the cap and the preemption budget apply to the rest exactly as to any prompt.
+A background request does not evict a live conversation's slot (one used within
+`prefix_hold_s`) while an empty or background slot can serve; it waits instead.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dlfp.backends.protocol import PLACEHOLDER_TOKEN, Capabilities, DecodeItem, PrefillChunk, StepPlan
-from dlfp.prefix_cache import PrefixCache
+from dlfp.prefix_cache import DEFAULT_HOLD_S, PrefixCache
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
 from dlfp.trace import is_capped
 
@@ -65,6 +67,7 @@ class Scheduler:
         protect: tuple[str, ...] = (FOREGROUND,),
         is_eos: Callable[[int], bool] = lambda token: False,
         prefix_reuse: bool = False,
+        prefix_hold_s: float | None = DEFAULT_HOLD_S,
     ):
         self.caps = caps
         self.is_eos = is_eos
@@ -72,7 +75,8 @@ class Scheduler:
         self.waiting: dict[str, deque[Sequence]] = {FOREGROUND: deque(), BACKGROUND: deque()}
         self.running: list[Sequence] = []  # holds a slot, in admission order
         # Slots and what their caches hold; reuse only where the backend can drop a cache's tail.
-        self.cache = PrefixCache(caps.max_sequences, enabled=prefix_reuse and caps.prefix_reuse)
+        self.cache = PrefixCache(caps.max_sequences, enabled=prefix_reuse and caps.prefix_reuse,
+                                 hold_s=prefix_hold_s)
         self.fg_reserved_slots = 1 if caps.max_sequences > 1 else 0
         self._turn = 0  # time-slicing position for single-sequence backends
 
@@ -87,19 +91,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting[FOREGROUND] or self.waiting[BACKGROUND])
 
-    def admit(self) -> list[Sequence]:
+    def admit(self, now: float = 0.0) -> list[Sequence]:
         """Give free slots to waiting sequences, foreground first.
 
         While no foreground sequence holds a slot, background work leaves one free:
         a chat message that arrives behind a folder of documents must not wait for
         one of them to finish. An admitted sequence's `n_cached` prompt tokens are
         already in its slot's cache; the caller drops the rest of that cache.
+        A background sequence that only live conversations' slots could serve
+        stays queued (`dlfp.prefix_cache`); `now` is the clock that ages them.
         """
         admitted = []
         for cls in (FOREGROUND, BACKGROUND):
             while self.cache.n_free() > self._reserve(cls) and self.waiting[cls]:
-                seq = self.waiting[cls].popleft()
-                grant = self.cache.acquire(seq.request.prompt_ids, seq.priority, seq.request.cache_prompt)
+                seq = self.waiting[cls][0]
+                grant = self.cache.acquire(seq.request.prompt_ids, seq.priority, seq.request.cache_prompt, now)
+                if grant is None:
+                    break
+                self.waiting[cls].popleft()
                 seq.slot, seq.n_cached, seq.n_prefilled = grant.slot, grant.reused, grant.reused
                 seq.status = Status.PREFILLING
                 self.running.append(seq)
@@ -130,7 +139,7 @@ class Scheduler:
             return False
         if seq in self.running:
             self.running.remove(seq)
-            self.cache.release(seq.slot, None if reason == FinishReason.ERROR else _cached_tokens(seq))
+            self.cache.release(seq.slot, None if reason == FinishReason.ERROR else _cached_tokens(seq), now)
         else:
             self.waiting[seq.priority] = deque(s for s in self.waiting[seq.priority] if s is not seq)
             seq.slot = None
