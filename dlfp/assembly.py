@@ -22,6 +22,7 @@ from dlfp.backends.protocol import Backend
 from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine, EngineConfig
+from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.trace import Trace
 
 log = logging.getLogger("dlfp.assembly")
@@ -41,9 +42,11 @@ def make_policy(spec: str | PrefillPolicy, profile: DeviceProfile, itl_target_ms
     return parse_policy(spec, profile.dlfp_params(itl_target_ms))
 
 
-def engine_config(policy: PrefillPolicy | str, profile: DeviceProfile, seed: int = 0) -> EngineConfig:
+def engine_config(policy: PrefillPolicy | str, profile: DeviceProfile, seed: int = 0,
+                  prefix_hold_s: float = DEFAULT_HOLD_S) -> EngineConfig:
     budget = None if is_stock(policy) else profile.preemption_budget_s
-    return EngineConfig(preemption_budget_s=budget, preemption_initial=profile.preemption_initial, seed=seed)
+    return EngineConfig(preemption_budget_s=budget, preemption_initial=profile.preemption_initial, seed=seed,
+                        prefix_hold_s=prefix_hold_s)
 
 
 def build_engine(
@@ -57,11 +60,13 @@ def build_engine(
     trace: Trace | None = None,
     clock: Callable[[], float] = time.perf_counter,
     start: bool = True,
+    prefix_hold_s: float = DEFAULT_HOLD_S,
 ) -> Engine:
     """The engine for one run. `probe_period_s=None` samples no probes (and so runs no
-    governor: it would have nothing to read); `governor=False` keeps the probes only."""
+    governor: it would have nothing to read); `governor=False` keeps the probes only.
+    `prefix_hold_s`: how long a conversation's cached prefix is kept from background requests."""
     pol = make_policy(policy, profile, itl_target_ms)
-    engine = Engine(backend, pol, engine_config(pol, profile), trace=trace, clock=clock)
+    engine = Engine(backend, pol, engine_config(pol, profile, prefix_hold_s=prefix_hold_s), trace=trace, clock=clock)
     sampler = _sampler(engine, probe_period_s)
     if sampler is not None:
         engine.companions.append(sampler)

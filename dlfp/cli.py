@@ -8,8 +8,11 @@ from pathlib import Path
 import click
 
 from dlfp.devices.profiles import load_profile
+from dlfp.prefix_cache import DEFAULT_HOLD_S
 
 POLICY_HELP = "comma-separated: unbounded, dlfp, dlfp-paper, dlfp-cadence, fixed:N"
+HOLD_HELP = ("Seconds after its last turn that a conversation's cached prefix is kept from background requests "
+             "(they wait for another slot; 0: no hold, inf: for ever).")
 
 
 class UserError(click.ClickException):
@@ -103,9 +106,10 @@ def model_options(f):
 @click.option("--max-docs", type=int, default=None, help="Ingest only the first N documents.")
 @click.option("--kv-unified", is_flag=True, help="llama.cpp: one KV cache shared by all sequences.")
 @click.option("--no-cache-prompt", is_flag=True, help="Prefill every prompt whole (no reuse of a turn's cached prefix).")
+@click.option("--prefix-hold-s", type=click.FloatRange(0), default=DEFAULT_HOLD_S, show_default=True, help=HOLD_HELP)
 @click.option("--out", type=click.Path(), default="runs/laptop", show_default=True)
 def laptop(model, backend, profile, threads, policies, itl_target_ms, docs, chat_script, turns, max_docs,
-           kv_unified, no_cache_prompt, out):
+           kv_unified, no_cache_prompt, prefix_hold_s, out):
     """Foreground chat + background document ingestion, under each policy."""
     from dataclasses import replace
 
@@ -133,6 +137,7 @@ def laptop(model, backend, profile, threads, policies, itl_target_ms, docs, chat
         docs=documents,
         out=Path(out),
         cache_prompt=not no_cache_prompt,
+        prefix_hold_s=prefix_hold_s,
     )
     from rich.progress import Progress
 

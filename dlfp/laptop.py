@@ -24,6 +24,7 @@ from dlfp.devices.energy import energy_report
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine, InvalidRequest
 from dlfp.metrics import itls, percentile, ttft
+from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import RequestRecord, Trace
 from dlfp.workloads.laptop import ChatScript, Document, chat_messages, summary_messages
@@ -44,6 +45,7 @@ class LaptopSettings:
     probe_period_s: float = 0.5
     out: Path | None = None
     cache_prompt: bool = True  # reuse cached prompt prefixes in the policy runs (llama.cpp's cache_prompt)
+    prefix_hold_s: float = DEFAULT_HOLD_S  # a conversation's cached prefix is kept from background this long
 
 
 @dataclass
@@ -66,7 +68,8 @@ def run_session(
     with_background: bool = True,
     on_progress: Callable[[], None] | None = None,
 ) -> Session:
-    engine = build_engine(backend, policy, settings.profile, probe_period_s=settings.probe_period_s)
+    engine = build_engine(backend, policy, settings.profile, probe_period_s=settings.probe_period_s,
+                          prefix_hold_s=settings.prefix_hold_s)
     start = engine.clock()
     cache = settings.cache_prompt and label != DECODE_ONLY  # the reference run is cold
     try:

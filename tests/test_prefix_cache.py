@@ -242,3 +242,24 @@ def chat_and_documents(hold_s=120.0, doc_s=30.0):
 def test_documents_do_not_evict_the_live_chats_in_the_multi_turn_ingest_shape():
     assert chat_and_documents() >= 0.85  # every turn after the first reuses its history (0.87 at most)
     assert chat_and_documents(hold_s=0.0) < 0.6  # no hold: documents take the chats' slots between turns
+
+
+def test_the_hold_time_reaches_the_scheduler_from_every_entry_point():
+    from click.testing import CliRunner
+
+    from dlfp.assembly import build_engine
+    from dlfp.backends.sim import SimBackend
+    from dlfp.bench.cli import bench
+    from dlfp.cli import main
+    from dlfp.devices.profiles import load_profile
+    from dlfp.prefix_cache import DEFAULT_HOLD_S
+
+    profile = load_profile("cpu-laptop")
+    engine = build_engine(SimBackend(), "dlfp", profile, probe_period_s=None, start=False, prefix_hold_s=7.5)
+    assert engine.scheduler.cache.hold_s == 7.5
+    assert build_engine(SimBackend(), "unbounded", profile, probe_period_s=None,
+                        start=False).scheduler.cache.hold_s == DEFAULT_HOLD_S
+    for command in (bench, main):
+        args = ["--prefix-hold-s", "-1"] if command is bench else ["serve", "--prefix-hold-s", "-1"]
+        result = CliRunner().invoke(command, args)
+        assert result.exit_code == 2 and "prefix-hold-s" in result.output

@@ -9,7 +9,8 @@ import click
 from click.core import ParameterSource
 
 from dlfp.bench.config import BenchArgs, load_args
-from dlfp.cli import POLICY_HELP, UserError, _policy_list, get_profile, open_backend
+from dlfp.cli import HOLD_HELP, POLICY_HELP, UserError, _policy_list, get_profile, open_backend
+from dlfp.prefix_cache import DEFAULT_HOLD_S
 
 
 def _split(spec: str | None) -> list[str] | None:
@@ -45,12 +46,14 @@ def _split(spec: str | None) -> list[str] | None:
 @click.option("--vocab-size", type=int, default=None, help="Endpoints only: the served model's vocabulary size.")
 @click.option("--tokenizer", default=None, help="Endpoints only: the served model's GGUF, to cut text prompts.")
 @click.option("--no-cache-prompt", is_flag=True, help="Every request asks for a cold prefill (cache_prompt=false).")
+@click.option("--prefix-hold-s", type=click.FloatRange(0), default=DEFAULT_HOLD_S, show_default=True,
+              help=HOLD_HELP)
 @click.option("--probe-period-s", type=float, default=0.5, show_default=True, help="Probe sampling period (0: off).")
 @click.argument("extra_seeds", nargs=-1, type=int)
 @click.pass_context
 def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstiness, slo, out, backend, model,
           profile, threads, kv_unified, itl_target_ms, sweep, overhead, from_config, gate_p99_itl_reduction,
-          endpoints, prompts, vocab_size, tokenizer, no_cache_prompt, probe_period_s, extra_seeds):
+          endpoints, prompts, vocab_size, tokenizer, no_cache_prompt, prefix_hold_s, probe_period_s, extra_seeds):
     """Paired trials of prefill policies on an exact-token workload."""
     if from_config:
         try:
@@ -67,7 +70,7 @@ def bench(ctx, workload, policies, seeds, rate, requests, warmup, scale, burstin
             itl_target_ms=itl_target_ms, sweep=_expand_sweep(sweep), overhead=overhead,
             gate_p99_itl_reduction=gate_p99_itl_reduction, endpoints=list(endpoints), vocab_size=vocab_size,
             prompts=prompts, tokenizer=tokenizer, cache_prompt=not no_cache_prompt,
-            probe_period_s=probe_period_s or None,
+            probe_period_s=probe_period_s or None, prefix_hold_s=prefix_hold_s,
         )
     prof = get_profile(args.profile)
     if args.overhead:

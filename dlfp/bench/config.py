@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
+from dlfp.prefix_cache import DEFAULT_HOLD_S
+
 DISTRIBUTIONS = ("dlfp", "numpy", "scipy", "llama-cpp-python", "vllm", "openai", "executorch", "apache-tvm")
 
 
@@ -45,6 +47,7 @@ class BenchArgs:
     cache_prompt: bool = True  # False: every request asks for a cold prefill (no prefix reuse)
     tokenizer: str | None = None  # endpoints: a GGUF whose tokenizer cuts the text prompts
     probe_period_s: float | None = 0.5
+    prefix_hold_s: float = DEFAULT_HOLD_S  # a conversation's cached prefix is kept from background this long (in-process)
 
     @classmethod
     def from_dict(cls, data: dict) -> "BenchArgs":

@@ -105,7 +105,7 @@ def prepare(args: BenchArgs, open_backend: Callable, profile) -> Bench:
                 raise BenchError(str(exc)) from None
         if entry.kind == OWNED_LOOP:
             backend = open_backend(args.backend, args.model, profile, args.threads, args.kv_unified)
-            target = EngineTarget(backend, profile, args.itl_target_ms, args.probe_period_s)
+            target = EngineTarget(backend, profile, args.itl_target_ms, args.probe_period_s, args.prefix_hold_s)
         else:
             target = _external(entry, args, profile)
         arms = [Arm(p, target, p) for p in policy_names(args)]

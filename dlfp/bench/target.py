@@ -14,6 +14,7 @@ from dlfp.backends.protocol import Backend
 from dlfp.controller import params_to_dict
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine
+from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sequence import Request
 from dlfp.trace import RequestRecord, Trace
 
@@ -44,18 +45,19 @@ class EngineTarget:
     """dlfp's own engine over an owned-loop backend (llama.cpp, ExecuTorch, MLC, torch, sim)."""
 
     def __init__(self, backend: Backend, profile: DeviceProfile, itl_target_ms: float | None = None,
-                 probe_period_s: float | None = None):
+                 probe_period_s: float | None = None, prefix_hold_s: float = DEFAULT_HOLD_S):
         self.backend = backend
         self.profile = profile
         self.itl_target_ms = itl_target_ms
         self.params = profile.dlfp_params(itl_target_ms)
         self.probe_period_s = probe_period_s
+        self.prefix_hold_s = prefix_hold_s
         self.label = backend.name
         self.engine: Engine | None = None
 
     def open(self, policy: str) -> None:
         self.engine = build_engine(self.backend, policy, self.profile, itl_target_ms=self.itl_target_ms,
-                                   probe_period_s=self.probe_period_s)
+                                   probe_period_s=self.probe_period_s, prefix_hold_s=self.prefix_hold_s)
 
     def submit(self, request: Request):
         assert self.engine is not None, "open() first"

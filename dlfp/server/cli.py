@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from dlfp.cli import POLICY_HELP, UserError, get_profile, model_options, open_backend
+from dlfp.cli import HOLD_HELP, POLICY_HELP, UserError, get_profile, model_options, open_backend
+from dlfp.prefix_cache import DEFAULT_HOLD_S
 
 
 @click.command()
@@ -21,6 +22,7 @@ from dlfp.cli import POLICY_HELP, UserError, get_profile, model_options, open_ba
 @click.option("--shutdown-grace", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM before they are aborted.")
 @click.option("--kv-unified", is_flag=True, help="llama.cpp: one KV cache shared by all sequences.")
+@click.option("--prefix-hold-s", type=click.FloatRange(0), default=DEFAULT_HOLD_S, show_default=True, help=HOLD_HELP)
 @click.option("--max-body-mb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
               help="Largest request body in MiB; larger ones get HTTP 413 before they are read or tokenised.")
 @click.option("--max-tokens-limit", type=click.IntRange(1), default=None,
@@ -35,7 +37,7 @@ from dlfp.cli import POLICY_HELP, UserError, get_profile, model_options, open_ba
 @click.option("--cors-origin", "cors_origins", multiple=True,
               help="A web origin allowed to call the API from a browser (repeatable). Default: none (CORS off).")
 def serve(model, backend, profile, threads, policy, itl_target_ms, host, port, max_queue, served_model_name,
-          shutdown_grace, kv_unified, max_body_mb, max_tokens_limit, api_key, allowed_hosts, cors_origins):
+          shutdown_grace, kv_unified, prefix_hold_s, max_body_mb, max_tokens_limit, api_key, allowed_hosts, cors_origins):
     """An OpenAI-compatible server whose requests are foreground or background."""
     try:
         from dlfp.server.app import ServeOptions, ServerState
@@ -61,7 +63,7 @@ def serve(model, backend, profile, threads, policy, itl_target_ms, host, port, m
     be = open_backend(backend, model, prof, threads, kv_unified)
     name = served_model_name or Path(str(be.describe().get("model_path", backend))).stem
     # The server starts the engine (ASGI lifespan); probes and the governor run with it.
-    engine = build_engine(be, policy, prof, itl_target_ms=itl_target_ms, start=False)
+    engine = build_engine(be, policy, prof, itl_target_ms=itl_target_ms, start=False, prefix_hold_s=prefix_hold_s)
     server = DrainingServer(ServerState(engine, name, policy, options), host, port, shutdown_grace)
     click.echo(f"dlfp serve: http://{host}:{port}/v1  model {name}  policy {policy}  profile {prof.name}", err=True)
     try:
