@@ -141,6 +141,7 @@ class ExecuTorchBackend(Backend):
             context_per_sequence=min(config.limits.context_per_sequence, int(self.meta["max_seq_len"])),
             max_batch_tokens=min(config.limits.max_batch_tokens, int(self.meta["max_chunk"])),
             vocab_size=int(self.meta["vocab_size"]),
+            prefix_reuse=True,  # see keep_prefix: both layouts mask by position
         )
         self._filled = [0] * n_seq  # positions each slot holds (cells past it are stale)
         self._conn, self._proc = None, None
@@ -205,6 +206,15 @@ class ExecuTorchBackend(Backend):
         # Nothing to clear in the runtime: a new sequence rewrites each cell before any
         # query reads it, and cells past its position are masked to weight zero.
         self._filled[seq_id] = 0
+
+    def keep_prefix(self, seq_id: int, n_tokens: int) -> bool:
+        # Both layouts: a token sees only its slot's cells at positions <= its own, and each
+        # chunk writes its cells before it reads them, so cells past n_tokens are never read
+        # again before they are rewritten. Keeping a prefix is forgetting where the slot ends.
+        if not 0 <= n_tokens <= self._filled[seq_id]:
+            return False
+        self._filled[seq_id] = n_tokens
+        return True
 
     # -- text --------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
