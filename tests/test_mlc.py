@@ -172,6 +172,35 @@ def test_engine_outputs_identical_under_unbounded_and_dlfp(backend):
     assert guarded and all(s.n_prefill_bg <= 64 for s in guarded)
 
 
+def test_kept_prefix_matches_a_cold_prefill_and_the_engine_reuses_it(backend):
+    assert backend.capabilities.prefix_reuse
+    turn2 = PROMPT + OTHER[:10]
+    ref = prefill(backend, 3, turn2)
+    backend.free_sequence(3)
+    prefill(backend, 3, PROMPT + [7, 7, 7])  # a previous turn whose tail differs
+    assert backend.keep_prefix(3, len(PROMPT)) and not backend.keep_prefix(3, len(PROMPT) + 1)
+    again = backend.step(StepPlan(prefills=[PrefillChunk(3, OTHER[:10], len(PROMPT), True)])).logits[3]
+    np.testing.assert_allclose(again, ref, atol=1e-4)
+    assert backend.keep_prefix(3, 0) and backend.keep_prefix(3, 0)  # nothing held: nothing to keep
+    backend.free_sequence(3)
+
+    def chat(reuse):
+        engine = Engine(backend, Unbounded(), EngineConfig(preemption_budget_s=None, prefix_reuse=reuse)).start()
+        prompt, records = list(PROMPT), []
+        try:
+            for t in range(3):
+                records.append(engine.submit(Request(list(prompt), 5, ignore_eos=True)).result(60))
+                prompt += records[-1].output_ids + OTHER[t * 8 : t * 8 + 8]
+        finally:
+            engine.shutdown()
+        return records
+
+    warm, cold = chat(True), chat(False)
+    assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
+    assert [r.cached_prompt_tokens for r in warm] == [0, len(PROMPT) + 4, len(PROMPT) + 4 + 13]
+    assert all(r.cached_prompt_tokens == 0 for r in cold)
+
+
 def test_registry_loads_step_mode_from_the_profile(tiny_mlc):
     from dlfp.targets import load_backend
     from dlfp.devices.profiles import load_profile

@@ -121,6 +121,7 @@ class MLCStepBackend(Backend):
             context_per_sequence=context,
             max_batch_tokens=config.limits.max_batch_tokens,
             vocab_size=int(cfg["vocab_size"]),
+            prefix_reuse=True,  # the paged cache drops a sequence's tail (popn): see keep_prefix
         )
 
     def _load_params(self) -> list:
@@ -243,6 +244,18 @@ class MLCStepBackend(Backend):
             # mode 1 = big cores, then the worker count: the call MLC's runtime makes too.
             self._tvm.get_global_func("runtime.config_threadpool")(1, self.config.n_threads)
             self._threads_set_in = tid
+
+    def keep_prefix(self, seq_id: int, n_tokens: int) -> bool:
+        """Drop all but the first `n_tokens` positions of the sequence's pages (popn);
+        the next chunk appends at n_tokens, as after a rewind."""
+        have = self._lengths.get(seq_id, 0)
+        if not 0 <= n_tokens <= have:
+            return False
+        if n_tokens == 0:
+            self.free_sequence(seq_id)
+        else:
+            self._rewind(seq_id, n_tokens)
+        return True
 
     def free_sequence(self, seq_id: int) -> None:
         if self._lengths.pop(seq_id, None) is not None:
