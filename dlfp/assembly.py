@@ -7,8 +7,10 @@ Every entry point builds its engine here (`dlfp laptop`, `generate`, `serve`,
   prompts up to the batch size, no preemption budget, no thermal governor; the
   vLLM target runs stock vLLM for it, without the plug-in (`is_stock`).
 - every other policy gets the profile's preemption budget (isolated background
-  prefill is split so one step stays within it), and the thermal governor gating
-  background prefill whenever probes are sampled;
+  prefill is split so one step stays within it), and, whenever probes are sampled,
+  the thermal governor gating background prefill and the thread governor running
+  the steps on fewer threads while other programs hold cores (where the backend
+  can switch: llama.cpp);
 - the observation source is the policy's own (`dlfp` completion, `dlfp-cadence`
   the paper's proxy), applied by the one step observer.
 """
@@ -70,7 +72,17 @@ def build_engine(
 
             # Background prefill yields to heat, throttling and a low battery; the foreground never does.
             engine.background_gate = ThermalGovernor.for_profile(profile, source=sampler.latest)
+            engine.thread_governor = _thread_governor(backend, sampler)
     return engine.start() if start else engine
+
+
+def _thread_governor(backend: Backend, sampler):
+    """Fewer step threads while other programs hold cores, where the backend can switch."""
+    if (backend.max_threads or 0) <= 1 or backend.threads is None:
+        return None
+    from dlfp.devices.threads import ThreadGovernor
+
+    return ThreadGovernor(sampler.latest, backend.max_threads)
 
 
 def _sampler(engine: Engine, period_s: float | None):
