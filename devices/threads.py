@@ -1,6 +1,6 @@
 """Thread governor: run the steps on fewer threads while other programs hold cores.
 
-    governor = ThreadGovernor(source=sampler.latest, max_threads=backend.max_threads)
+    governor = ThreadGovernor(OtherLoad().read, max_threads=backend.max_threads)
     engine.thread_governor = governor        # callable(now) -> threads for the next step
 
 A CPU runtime splits every op of a step across its threads and waits for the
@@ -10,8 +10,12 @@ step waits for it: on 2 cores with one busy neighbour a decode that takes 10 ms
 alone took most of a second. A prompt cap cannot fix that (the decode alone is
 over any target); running on the cores nobody else wants does.
 
-The governor reads `other_cores` from the CPU probe (cores' worth of CPU time used
-by other processes and stolen by the hypervisor, devices/cpu.py) and wants
+The governor reads other programs' load (cores' worth of CPU time used by other
+processes and stolen by the hypervisor: devices/cpu.py `OtherLoad`, the figure the
+CPU probe records as `other_cores`) itself, every `poll_s` on the engine thread
+between steps (two small /proc reads), faster than the probe sampler, because
+every step run on too many threads beside a neighbour costs the chat a stall. It
+wants
 `max_threads - ceil(other_cores - slack)` threads, at least one: a neighbour using
 less than `slack` of a core costs no thread. It lowers the count as soon as one
 reading (itself an average over the probe period) asks for it, or once the wish
@@ -24,9 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Iterable
-
-from dlfp.devices.reading import Reading
+from typing import Callable
 
 log = logging.getLogger("dlfp.threads")
 
@@ -34,13 +36,13 @@ log = logging.getLogger("dlfp.threads")
 class ThreadGovernor:
     def __init__(
         self,
-        source: Callable[[], Iterable[Reading]],
+        source: Callable[[], float | None],
         max_threads: int,
         min_threads: int = 1,
         slack: float = 0.4,
         lower_after_s: float = 0.0,
         raise_after_s: float = 2.0,
-        poll_s: float = 0.1,
+        poll_s: float = 0.2,
     ):
         if not 1 <= min_threads <= max_threads:
             raise ValueError(f"need 1 <= min_threads <= max_threads, got {min_threads}, {max_threads}")
@@ -63,14 +65,14 @@ class ThreadGovernor:
     def __call__(self, now: float) -> int:
         if self._last_poll is None or now - self._last_poll >= self.poll_s:
             self._last_poll = now
-            self.others = other_cores(self.source())
-            self._consider(self.wanted(self.others), now)
+            others = self.source()
+            if others is not None:  # None: no new figure yet (too soon) or none to be had
+                self.others = others
+                self._consider(self.wanted(others), now)
         return self.threads
 
-    def wanted(self, others: float | None) -> int:
-        """Threads to use beside `others` cores of other programs' load (None: unknown, all)."""
-        if others is None:
-            return self.max_threads
+    def wanted(self, others: float) -> int:
+        """Threads to use beside `others` cores of other programs' load."""
         taken = max(0, math.ceil(others - self.slack))
         return max(self.min_threads, min(self.max_threads, self.max_threads - taken))
 
@@ -95,10 +97,3 @@ class ThreadGovernor:
     def label(self) -> str:
         return f"{self.threads}/{self.max_threads}"
 
-
-def other_cores(readings: Iterable[Reading]) -> float | None:
-    """The CPU probe's `other_cores` in a set of readings (None: none read)."""
-    for r in readings:
-        if r.ok and r.probe == "cpu" and r.values.get("other_cores") is not None:
-            return float(r.values["other_cores"])
-    return None

@@ -61,7 +61,8 @@ def build_engine(
     start: bool = True,
 ) -> Engine:
     """The engine for one run. `probe_period_s=None` samples no probes (and so runs no
-    governor: it would have nothing to read); `governor=False` keeps the probes only."""
+    thermal governor: it would have nothing to read); `governor=False` runs neither the
+    thermal nor the thread governor."""
     pol = make_policy(policy, profile, itl_target_ms)
     engine = Engine(backend, pol, engine_config(pol, profile), trace=trace, clock=clock)
     sampler = _sampler(engine, probe_period_s)
@@ -72,17 +73,23 @@ def build_engine(
 
             # Background prefill yields to heat, throttling and a low battery; the foreground never does.
             engine.background_gate = ThermalGovernor.for_profile(profile, source=sampler.latest)
-            engine.thread_governor = _thread_governor(backend, sampler)
+    if governor and not is_stock(pol):
+        engine.thread_governor = _thread_governor(backend)
     return engine.start() if start else engine
 
 
-def _thread_governor(backend: Backend, sampler):
+def _thread_governor(backend: Backend):
     """Fewer step threads while other programs hold cores, where the backend can switch."""
     if (backend.max_threads or 0) <= 1 or backend.threads is None:
         return None
+    try:
+        from dlfp.devices.cpu import OtherLoad
+    except ImportError as exc:  # psutil missing: the steps keep their threads
+        log.warning("no thread governor (%s)", exc)
+        return None
     from dlfp.devices.threads import ThreadGovernor
 
-    return ThreadGovernor(sampler.latest, backend.max_threads)
+    return ThreadGovernor(OtherLoad().read, backend.max_threads)
 
 
 def _sampler(engine: Engine, period_s: float | None):

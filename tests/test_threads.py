@@ -12,19 +12,18 @@ import pytest
 from dlfp.backends.sim import SimBackend, SimCost, VirtualClock
 from dlfp.controller import DLFPParams, TailDLFP
 from dlfp.devices.cpu import CpuProbe, OtherLoad
-from dlfp.devices.reading import Reading, unavailable
-from dlfp.devices.threads import ThreadGovernor, other_cores
+from dlfp.devices.threads import ThreadGovernor
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 
 
 def load(cores):
-    return [Reading("cpu", "cpu", {"util_pct": 50.0, "other_cores": cores})]
+    return cores
 
 
 def test_wanted_threads_leave_the_neighbours_cores():
     g = ThreadGovernor(lambda: [], max_threads=4, slack=0.4)
-    assert [g.wanted(x) for x in (None, 0.0, 0.39, 0.5, 1.0, 1.4, 1.5, 3.9, 8.0)] == [4, 4, 4, 3, 3, 3, 2, 1, 1]
+    assert [g.wanted(x) for x in (0.0, 0.39, 0.5, 1.0, 1.4, 1.5, 3.9, 8.0)] == [4, 4, 3, 3, 3, 2, 1, 1]
     assert ThreadGovernor(lambda: [], max_threads=2, min_threads=2).wanted(5.0) == 2
 
 
@@ -46,10 +45,13 @@ def test_a_short_burst_does_not_switch():
     assert g.transitions == []
 
 
-def test_no_reading_means_all_threads():
-    g = ThreadGovernor(lambda: [unavailable("cpu", "cpu", "no psutil")], max_threads=2, poll_s=0.0)
-    assert g(0.0) == 2 and g(5.0) == 2 and g.others is None
-    assert other_cores([Reading("thermal", "zone0", {"temp_c": 50.0})]) is None
+def test_no_figure_changes_nothing():
+    series = iter([None, 1.0, None, None, None, 0.0])
+    g = ThreadGovernor(lambda: next(series), max_threads=2, raise_after_s=1.0, poll_s=0.0)
+    assert g(0.0) == 2 and g.others is None  # nothing read yet: all threads
+    assert g(0.5) == 1  # lowered at once
+    assert [g(t) for t in (1.0, 2.0, 3.0)] == [1, 1, 1]  # no new figure is no reason to raise
+    assert g(3.5) == 1 and g.others == 0.0  # the wish to raise starts only now
 
 
 def test_bad_settings_are_refused():
