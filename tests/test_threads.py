@@ -138,20 +138,22 @@ def test_engine_drops_a_thread_while_a_neighbour_spins_and_returns_after():
     engine.shutdown(abort_pending=True)
     assert [n for _, n, _ in governor.transitions] == [1, 2]
     (t_down, _, _), (t_up, _, _) = governor.transitions
-    assert busy[0] < t_down < busy[0] + 2.0 and busy[1] < t_up < busy[1] + 3.0
+    assert busy[0] < t_down and busy[1] < t_up < busy[1] + 3.0
     steps = engine.trace.steps
-    assert {s.threads for s in steps if busy[0] + 2.0 <= s.t0 < busy[1]} == {1}
+    # At most two steps ran on both threads beside the neighbour (each one a 30x stall here).
+    assert sum(1 for s in steps if busy[0] <= s.t0 < busy[1] and s.threads == 2) <= 2
+    assert {s.threads for s in steps if t_down <= s.t0 < busy[1]} == {1}
     assert {s.threads for s in steps if s.t0 > t_up + 0.5} == {2}
     t = rec.token_times
     itls = lambda a, b: [y - x for x, y in zip(t, t[1:]) if a <= x < b]  # noqa: E731
-    for a, b in ((2.0, busy[0]), (busy[0] + 3.0, busy[1]), (busy[1] + 4.0, 35.0)):
+    for a, b in ((2.0, busy[0]), (t_down + 1.0, busy[1]), (busy[1] + 4.0, 35.0)):
         window = sorted(itls(a, b))
         assert window and window[int(0.99 * (len(window) - 1))] <= 0.11, (a, b, window[-5:])
     # Background prefill went on at one thread beside the foreground, and more after.
-    bg_busy = sum(s.n_prefill_bg for s in steps if busy[0] + 3.0 <= s.t0 < busy[1])
+    bg_busy = sum(s.n_prefill_bg for s in steps if t_down + 1.0 <= s.t0 < busy[1])
     bg_after = sum(s.n_prefill_bg for s in steps if busy[1] + 4.0 <= s.t0 < 35.0)
     assert bg_busy > 0 and bg_after > 0
     assert [n.split(" at ")[0] for n in engine.trace.notes if n.startswith("step threads")] == [
         "step threads 2 -> 1", "step threads 1 -> 2"]
     assert bg  # still running when the chat ended: the shutdown aborted them
-    assert statistics.median(itls(busy[0] + 3.0, busy[1])) < 0.11
+    assert statistics.median(itls(t_down + 1.0, busy[1])) < 0.11
