@@ -120,6 +120,7 @@ class LlamaCppBackend(Backend):
         self._ll = ll = llama_cpp
         self.config = config
         self.n_threads = config.n_threads or physical_cores()
+        self.threads = self.max_threads = self.n_threads
         ll.llama_backend_init()
         mp = ll.llama_model_default_params()
         # Extra buffer types repack weights for AMX on CPUs that have it; on this
@@ -177,6 +178,14 @@ class LlamaCppBackend(Backend):
             ptr = self._ll.llama_get_logits_ith(self._ctx, row)
             logits[seq_id] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         return StepResult(logits=logits, duration_s=t1 - t0)
+
+    def set_threads(self, n: int) -> bool:
+        """llama_set_n_threads: decodes and mixed batches alike, from the next llama_decode on."""
+        if not 1 <= n <= self.max_threads:
+            raise BackendError(f"set_threads({n}): must be within 1..{self.max_threads}")
+        self._ll.llama_set_n_threads(self._ctx, n, n)
+        self.threads = n
+        return True
 
     def free_sequence(self, seq_id: int) -> None:
         self._ll.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
@@ -259,6 +268,7 @@ class LlamaCppBackend(Backend):
             "context_per_sequence": self.capabilities.context_per_sequence,
             "max_batch_tokens": self.capabilities.max_batch_tokens,
             "n_threads": self.n_threads,
+            "threads_now": self.threads,
             "kv_unified": self.config.kv_unified,
             "flash_attn": self.config.flash_attn,
             "llama_cpp_python": getattr(self._ll, "__version__", "unknown"),

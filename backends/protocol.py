@@ -237,6 +237,15 @@ class Backend(ABC):
         cannot fit the context before tokenising it. None: no sound bound is known."""
         return None
 
+    # Threads: a CPU runtime whose step threads wait on each other at every op loses
+    # most of a step to one busy neighbour; running on fewer threads avoids that.
+    threads: int | None = None  # threads a step uses now (None: not under our control)
+    max_threads: int | None = None  # what it was loaded with: set_threads never goes above
+
+    def set_threads(self, n: int) -> bool:
+        """Run the following steps on n threads (1 <= n <= max_threads). False: the runtime cannot."""
+        return False
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt, rendered with the model's own template."""
         raise BackendError(f"backend {self.name} has no chat template")

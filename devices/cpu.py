@@ -4,6 +4,9 @@
 - frequency: `sys/devices/system/cpu/cpu*/cpufreq/scaling_cur_freq` (kHz) under the
   root, else psutil.cpu_freq() on the running system (which falls back to
   /proc/cpuinfo in a VM without cpufreq);
+- other programs' load: `other_cores`, the cores' worth of CPU time that other
+  processes used (and the hypervisor stole) since the previous reading: the
+  system's busy time minus this process's own (psutil; the running system only);
 - throttling: Intel's `sys/devices/system/cpu/cpu*/thermal_throttle/*_throttle_count`
   counters; a reading says `throttling=True` when any counter rose since the
   previous reading of the same probe object.
@@ -29,6 +32,7 @@ class CpuProbe(RootedProbe):
         super().__init__(root)
         self._throttle_prev: int | None = None
         self._baseline = time.monotonic()
+        self._others = OtherLoad() if self.live else None
         if self.live:
             psutil.cpu_percent(interval=None)  # the first call only sets the baseline
 
@@ -39,8 +43,12 @@ class CpuProbe(RootedProbe):
             # Right after the baseline the figure is noise: the first read waits out MIN_INTERVAL_S.
             wait = MIN_INTERVAL_S - (time.monotonic() - self._baseline)
             values["util_pct"] = psutil.cpu_percent(interval=wait if wait > 0 else None)
+            others = self._others.read()
+            if others is not None:
+                values["other_cores"] = others
         else:
             missing["util_pct"] = live_only(self.root, "psutil")
+            missing["other_cores"] = live_only(self.root, "psutil")
         self._frequency(values, missing)
         self._throttle(values, missing)
         return [Reading(self.name, "cpu", values, missing=missing)]
@@ -83,3 +91,33 @@ class CpuProbe(RootedProbe):
         values["throttle_count"] = total
         values["throttling"] = self._throttle_prev is not None and total > self._throttle_prev
         self._throttle_prev = total
+
+
+class OtherLoad:
+    """Cores' worth of CPU time used by everything but this process between two reads.
+
+    Busy time is what psutil's utilisation counts (all but idle and iowait, guest time
+    already inside user), so hypervisor steal counts as another's load. The process's
+    own threads (the runtime's step threads, the server) are subtracted; children it
+    has not waited for (the bench's noisy neighbour) are not, so they count as others.
+    """
+
+    def __init__(self, pid: int | None = None):
+        self._proc = psutil.Process(pid)
+        self._prev = self._now()
+
+    def _now(self) -> tuple[float, float, float]:
+        t = psutil.cpu_times()
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        busy = total - t.idle - getattr(t, "iowait", 0.0)
+        own = self._proc.cpu_times()
+        return time.monotonic(), busy, own.user + own.system
+
+    def read(self) -> float | None:
+        """Cores used by others since the previous read (None: too little time has passed)."""
+        now = self._now()
+        (t0, busy0, own0), (t1, busy1, own1) = self._prev, now
+        if t1 - t0 < MIN_INTERVAL_S:
+            return None
+        self._prev = now
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))

@@ -7,8 +7,10 @@ Every entry point builds its engine here (`dlfp laptop`, `generate`, `serve`,
   prompts up to the batch size, no preemption budget, no thermal governor; the
   vLLM target runs stock vLLM for it, without the plug-in (`is_stock`).
 - every other policy gets the profile's preemption budget (isolated background
-  prefill is split so one step stays within it), and the thermal governor gating
-  background prefill whenever probes are sampled;
+  prefill is split so one step stays within it), and, whenever probes are sampled,
+  the thermal governor gating background prefill and the thread governor running
+  the steps on fewer threads while other programs hold cores (where the backend
+  can switch: llama.cpp);
 - the observation source is the policy's own (`dlfp` completion, `dlfp-cadence`
   the paper's proxy), applied by the one step observer.
 """
@@ -63,8 +65,9 @@ def build_engine(
     prefix_hold_s: float = DEFAULT_HOLD_S,
 ) -> Engine:
     """The engine for one run. `probe_period_s=None` samples no probes (and so runs no
-    governor: it would have nothing to read); `governor=False` keeps the probes only.
-    `prefix_hold_s`: how long a conversation's cached prefix is kept from background requests."""
+    thermal governor: it would have nothing to read); `governor=False` runs neither the
+    thermal nor the thread governor. `prefix_hold_s`: how long a conversation's cached
+    prefix is kept from background requests."""
     pol = make_policy(policy, profile, itl_target_ms)
     engine = Engine(backend, pol, engine_config(pol, profile, prefix_hold_s=prefix_hold_s), trace=trace, clock=clock)
     sampler = _sampler(engine, probe_period_s)
@@ -75,7 +78,23 @@ def build_engine(
 
             # Background prefill yields to heat, throttling and a low battery; the foreground never does.
             engine.background_gate = ThermalGovernor.for_profile(profile, source=sampler.latest)
+    if governor and not is_stock(pol):
+        engine.thread_governor = _thread_governor(backend)
     return engine.start() if start else engine
+
+
+def _thread_governor(backend: Backend):
+    """Fewer step threads while other programs hold cores, where the backend can switch."""
+    if (backend.max_threads or 0) <= 1 or backend.threads is None:
+        return None
+    try:
+        from dlfp.devices.cpu import OtherLoad
+    except ImportError as exc:  # psutil missing: the steps keep their threads
+        log.warning("no thread governor (%s)", exc)
+        return None
+    from dlfp.devices.threads import ThreadGovernor
+
+    return ThreadGovernor(OtherLoad().read, backend.max_threads)
 
 
 def _sampler(engine: Engine, period_s: float | None):

@@ -80,6 +80,11 @@ class PrefillPolicy(ABC):
     def reset(self) -> None:
         """Nothing decodes any more: forget the interference state."""
 
+    def device_changed(self) -> None:
+        """The device got faster or slower under us (the step threads changed): what was
+        learned about its step times no longer holds."""
+        self.reset()
+
     @property
     def target_unreachable(self) -> bool:
         return False
@@ -348,6 +353,14 @@ class TailDLFP(PrefillPolicy):
         # keep it, and start the next turn at the cap it gives.
         self._asked_at_zero = 0
         self._cap = self._planned()
+
+    def device_changed(self) -> None:
+        # A different device (thread count): learn its costs and spread afresh, from the
+        # initial cap with the warm-up growth limit, as at the start of a run.
+        self.model = StepCostModel(self.params.forgetting)
+        self._ratios.clear()
+        self._misses_at_min = 0
+        self.reset()
 
     @property
     def target_unreachable(self) -> bool:

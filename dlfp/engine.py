@@ -174,6 +174,8 @@ class Engine:
         self.step_hooks: list[Callable[[StepRecord], None]] = []
         # Thermal governor hook: gate(now) -> (background prefill may run, label for StepRecord.governor).
         self.background_gate: Callable[[float], tuple[bool, str | None]] | None = None
+        # Thread governor hook: threads(now) -> threads the next step should use (backend.set_threads).
+        self.thread_governor: Callable[[float], int] | None = None
         self.companions: list = []  # started and stopped with the engine (probe sampler)
 
     @property
@@ -331,12 +333,15 @@ class Engine:
         for seq in self.scheduler.admit(self.clock()):
             self._prepare_slot(seq)
         obs = self.observer
+        if self.thread_governor is not None:
+            self._set_threads(self.thread_governor(self.clock()))
         cap = obs.begin(self.scheduler.guarded())
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
         step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed)
         self._step_no += 1
         obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step.plan),
-                      n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label)
+                      n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label,
+                      threads=self.backend.threads)
         previous, self._in_flight = self._in_flight, None
         if step.plan.is_empty():
             if previous is not None:  # nothing more can be planned before it is back
@@ -361,6 +366,14 @@ class Engine:
             self._in_flight = (self._step_no, step, pending)
         else:
             self._collect(self._step_no, step, pending)
+
+    def _set_threads(self, n: int) -> None:
+        """Switch the backend's step threads; what the controller learned at the old count is void."""
+        before = self.backend.threads
+        if n == before or self._in_flight is not None or not self.backend.set_threads(n):
+            return
+        self.observer.device_changed()
+        self.trace.note(f"step threads {before} -> {n} at {self.clock() - self.trace.origin:.3f} s")
 
     def _collect(self, key: int, step: PlannedStep, pending: PendingStep) -> None:
         """A step's results are back: observe it, sample (or take the device's tokens), deliver."""

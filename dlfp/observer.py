@@ -51,6 +51,7 @@ class Stamp:
     n_prefill_bg: int = 0  # of shape.n_prefill; engines without classes report 0
     bg_cap: int | None = None  # the preemption budget's cap in force
     governor: str | None = None  # the thermal governor's decision for this step
+    threads: int | None = None  # the backend's step threads (None: not under our control)
 
     @property
     def capped(self) -> bool:
@@ -105,10 +106,11 @@ class StepObserver:
         return self.budget.cap() if self.budget is not None else None
 
     def scheduled(self, key: Hashable, guarded: bool, cap: int | None, shape: StepShape, *,
-                  n_prefill_bg: int = 0, bg_cap: int | None = None, governor: str | None = None) -> Stamp:
+                  n_prefill_bg: int = 0, bg_cap: int | None = None, governor: str | None = None,
+                  threads: int | None = None) -> Stamp:
         """After planning: the step can start on the device from now. An empty step
         (nothing to run) breaks the cadence chain and is never completed."""
-        stamp = Stamp(self.clock(), guarded, cap, shape, self._epoch, n_prefill_bg, bg_cap, governor)
+        stamp = Stamp(self.clock(), guarded, cap, shape, self._epoch, n_prefill_bg, bg_cap, governor, threads)
         if stamp.empty:
             self._prev_call, self._prev_capped = None, False
             return stamp
@@ -117,6 +119,15 @@ class StepObserver:
             self._pending.pop(next(iter(self._pending)))
         self._pending[key] = stamp
         return stamp
+
+    def device_changed(self) -> None:
+        """The device's speed changed under the policies (fewer threads): steps in flight
+        belong to the old device, and what the policies learned from it is void."""
+        self._epoch += 1
+        self._prev_call, self._prev_capped = None, False
+        self.policy.device_changed()
+        if self.budget is not None:
+            self.budget.device_changed()
 
     # -- completion --------------------------------------------------------
     def completed(self, key: Hashable, duration_s: float | None = None,
@@ -160,6 +171,7 @@ class StepObserver:
             unreachable=self.policy.target_unreachable,
             device_duration_s=device_duration_s,
             governor=stamp.governor,
+            threads=stamp.threads,
         )
 
 

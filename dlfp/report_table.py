@@ -30,6 +30,7 @@ def laptop_table(summary: dict, console: Console | None = None) -> None:
         ("bg docs done", "bg_docs_done"),
         ("requests failed", "requests_failed"),
         ("zero-cap steps", "zero_cap_steps"),
+        ("steps on fewer threads", "reduced_thread_steps"),
         ("wall (s)", "wall_s"),
     ]
     for label, key in rows:

@@ -32,6 +32,7 @@ class StepRecord:
     unreachable: bool = False
     device_duration_s: float | None = None
     governor: str | None = None  # thermal governor decision, when one runs
+    threads: int | None = None  # the backend's step threads, where dlfp controls them
 
     @property
     def capped(self) -> bool:
@@ -133,3 +134,16 @@ def read_steps(path: Path) -> list[StepRecord]:
     fields = StepRecord.__dataclass_fields__
     with open(path) as f:
         return [StepRecord(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f]
+
+
+def control_counts(steps: list[StepRecord]) -> dict:
+    """How often the runtime's controls acted: guarded steps kept free of background
+    prompt tokens (a cap of 0), and steps run on fewer threads than the backend has."""
+    return {
+        "zero_cap_steps": sum(1 for s in steps if s.guarded and s.cap == 0),
+        "reduced_thread_steps": sum(1 for s in steps if s.threads is not None and s.threads < _most_threads(steps)),
+    }
+
+
+def _most_threads(steps: list[StepRecord]) -> int:
+    return max((s.threads for s in steps if s.threads is not None), default=0)

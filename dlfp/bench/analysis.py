@@ -19,7 +19,7 @@ import numpy as np
 from dlfp.bench.runner import TrialRun
 from dlfp.metrics import itls, percentile, request_metrics, ttft
 from dlfp.sequence import BACKGROUND, FOREGROUND
-from dlfp.trace import RequestRecord, StepRecord
+from dlfp.trace import RequestRecord, StepRecord, control_counts
 from dlfp.workloads.schedule import Schedule
 from dlfp.workloads.specs import WorkloadSpec
 
@@ -170,8 +170,7 @@ def _step_stats(steps: list[StepRecord] | None) -> dict:
     return {
         "steps": len(steps),
         "capped_steps": len(capped),
-        # guarded steps the controller kept free of background prompt tokens (a cap of 0)
-        "zero_cap_steps": sum(1 for s in steps if s.guarded and s.cap == 0),
+        **control_counts(steps),
         "capped_step_max_ms": max(s.duration_s for s in capped) * 1e3 if capped else None,
         "step_max_ms": max(s.duration_s for s in steps) * 1e3 if steps else None,
     }

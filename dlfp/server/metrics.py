@@ -47,6 +47,8 @@ class ServerMetrics:
               registry=r).set_function(lambda: len(engine.scheduler.free_slots))
         Gauge("dlfp_background_held", "1 while the thermal governor holds background prefill back",
               registry=r).set_function(lambda: _held(engine))
+        Gauge("dlfp_step_threads", "Threads the backend's steps run on (lowered while other programs hold cores)",
+              registry=r).set_function(lambda: _or_nan(engine.backend.threads))
         self.in_flight = Gauge("dlfp_requests_in_flight", "Requests accepted and not yet finished", registry=r)
         engine.step_hooks.append(self.on_step)
 
