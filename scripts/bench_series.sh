@@ -20,8 +20,8 @@ declare -A CMD=(
   [t50]="$D bench --workload laptop --sweep fixed:1,2,4,8 --itl-target-ms 50 --seeds 801 802 803 --out runs/sweep-t50"
   [t100]="$D bench --workload laptop --sweep fixed:2,4,8,16 --seeds 801 802 803 --out runs/sweep-t100"
   [li]="$D bench --workload low-interference --seeds 801 802 803 --out runs/low-interference"
-  [mti]="$D bench --workload multi-turn-ingest --policies unbounded,dlfp --seeds 801 802 803 --out runs/mti"
-  [mti-cold]="$D bench --workload multi-turn-ingest --policies unbounded,dlfp --seeds 801 802 803 --no-cache-prompt --out runs/mti-cold"
+  [mti]="$D bench --workload multi-turn-ingest --policies dlfp --seeds 801 802 803 --out runs/mti"
+  [mti-cold]="$D bench --workload multi-turn-ingest --policies dlfp --seeds 801 802 803 --no-cache-prompt --out runs/mti-cold"
 )
 ORDER=${ONLY:-laptop nn t50 t100 li mti mti-cold}
 
