@@ -201,15 +201,21 @@ def run_laptop(backend: Backend, settings: LaptopSettings, on_progress=None, on_
             on_session(label)
         policy = make_policy(spec, settings.profile, settings.itl_target_ms)
         sessions.append(run_session(backend, policy, settings, label, with_bg, on_progress))
+        if label == DECODE_ONLY:  # say it now, not after the policy runs
+            for note in target_notes(settings.itl_target_ms, _decode_only_ms(sessions[0])):
+                log.warning(note)
     decode_only, policy_sessions = sessions[0], sessions[1:]
     match, mismatches = outputs_match(sessions)
+    decode_only_ms = _decode_only_ms(decode_only)
     summary = {
         "model": backend.describe().get("model_path"),
         "backend": backend.describe(),
         "profile": settings.profile.name,
         "itl_target_ms": settings.itl_target_ms,
         "controller": params_to_dict(params),
-        "decode_only_itl_ms": _ms(percentile([g for r in decode_only.records for g in itls(r)], 50)),
+        "decode_only_itl_ms": decode_only_ms,
+        "target_below_decode_only": target_below_decode_only(settings.itl_target_ms, decode_only_ms),
+        "notes": target_notes(settings.itl_target_ms, decode_only_ms),
         "exact_output_match": match,
         "mismatches": mismatches,
         "policies": {s.label: session_summary(s) for s in policy_sessions},
@@ -217,6 +223,23 @@ def run_laptop(backend: Backend, settings: LaptopSettings, on_progress=None, on_
     if settings.out is not None:
         write_outputs(settings.out, summary, sessions)
     return summary
+
+
+def _decode_only_ms(s: Session) -> float | None:
+    return _ms(percentile([g for r in s.records for g in itls(r)], 50))
+
+
+def target_below_decode_only(target_ms: float, decode_only_ms: float | None) -> bool:
+    """True when one decode step alone (the median with no background) already misses the target."""
+    return decode_only_ms is not None and decode_only_ms >= target_ms
+
+
+def target_notes(target_ms: float, decode_only_ms: float | None) -> list[str]:
+    if not target_below_decode_only(target_ms, decode_only_ms):
+        return []
+    return [f"ITL target {target_ms:.0f} ms is below this backend's decode-only ITL ({decode_only_ms:.0f} ms, "
+            f"the median with no background work): one decode alone misses it, so no policy can meet it. "
+            f"Pick --itl-target-ms above {decode_only_ms:.0f} (a few times it leaves room for background prefill)."]
 
 
 def write_outputs(out: Path, summary: dict, sessions: list[Session]) -> None:

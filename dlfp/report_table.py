@@ -43,6 +43,8 @@ def laptop_table(summary: dict, console: Console | None = None) -> None:
     table.add_row("peak temp (C)", *[_fmt(p["energy"].get("peak_temp_c")) for p in pol.values()])
     console.print(table)
     console.print(f"exact output match: {summary['exact_output_match']}")
+    for note in summary.get("notes", []):
+        console.print(f"[bold red]{note}[/bold red]")
     for name, p in pol.items():
         for note in p["notes"]:
             console.print(f"[yellow]{name}: {note}[/yellow]")

@@ -3,7 +3,8 @@
     .venv/bin/python scripts/et_packed_bench.py --out runs/et-packed.json            # tiny model (~2 min CPU)
     .venv/bin/python scripts/et_packed_bench.py --per-seq smollm2.pte --packed smollm2-packed.pte
 
-Step time: k decoding sequences (k = 1, 2, 4) plus one 32-token chunk in another slot,
+Step time: k decoding sequences (k = 1, 2, 4; 1, 2, 3 for a 4-slot packed program) plus one
+32-token chunk in another slot,
 the same plan sent to both layouts, alternating which goes first, medians of
 `StepResult.duration_s` (the worker's wall time around its execute calls). On a
 loaded machine only the ratio means anything: both layouts see the same load.
@@ -43,9 +44,19 @@ def _backend(pte: Path, slots: int, threads: int) -> ExecuTorchBackend:
     return ExecuTorchBackend(ExecuTorchConfig(str(pte), Limits(slots, 4096, 256), n_threads=threads))
 
 
-def step_times(backends: dict, reps: int) -> dict:
+def decoder_counts(packed_slots: int) -> tuple[int, ...]:
+    """Decoding sequences per timed step: each plan also needs a free slot for the chunk."""
+    if packed_slots < 2:
+        raise SystemExit(f"the packed program holds {packed_slots} slot(s): at least 2 are needed")
+    ks = [k for k in DECODERS if k < packed_slots]
+    if packed_slots - 1 not in ks and packed_slots - 1 < max(DECODERS):
+        ks.append(packed_slots - 1)
+    return tuple(ks)
+
+
+def step_times(backends: dict, reps: int, decoders: tuple[int, ...] = DECODERS) -> dict:
     out = {}
-    for k in DECODERS:
+    for k in decoders:
         chunk_slot = k  # decodes in slots 0..k-1, the chunk in slot k
         for b in backends.values():
             for s in range(k + 1):
@@ -87,11 +98,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/et-packed.json")
     ap.add_argument("--per-seq", type=Path, help="a per-sequence .pte (default: export the tiny model)")
-    ap.add_argument("--packed", type=Path, help="a packed .pte with at least 5 slots (default: export the tiny model)")
+    ap.add_argument("--packed", type=Path, help="a packed .pte (5 slots time 1, 2, 4 decodes; 4 slots 1, 2, 3; default: export the tiny model)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    slots = max(DECODERS) + 1
     with tempfile.TemporaryDirectory() as tmp:
         per_seq, packed = args.per_seq, args.packed
         with warnings.catch_warnings():
@@ -99,13 +109,15 @@ def main() -> None:
             if per_seq is None:
                 per_seq = export_tiny(Path(tmp) / "tiny.pte", TinyConfig(**TINY))
             if packed is None:
-                packed = export_tiny(Path(tmp) / "tiny-packed.pte", TinyConfig(**TINY, slots=slots))
+                packed = export_tiny(Path(tmp) / "tiny-packed.pte", TinyConfig(**TINY, slots=max(DECODERS) + 1))
         meta = json.loads(Path(str(packed) + ".json").read_text())
+        decoders = decoder_counts(int(meta["slots"]))
+        slots = max(decoders) + 1
         per_seq_delegation = json.loads(Path(str(per_seq) + ".json").read_text()).get("delegation")
         backends = {"per-sequence": _backend(per_seq, slots, args.threads), "packed": _backend(packed, slots, args.threads)}
         try:
             t0 = time.perf_counter()
-            steps = step_times(backends, args.reps)
+            steps = step_times(backends, args.reps, decoders)
             wall = time.perf_counter() - t0
         finally:
             for b in backends.values():

@@ -171,3 +171,20 @@ def test_int8_packed_export_runs_close_to_fp32(tmp_path):
         want = build_model(TinyConfig(**TINY))(tokens, torch.tensor([0]))[0]
     got = method.execute([tokens, torch.full((20,), 1), torch.arange(20), torch.tensor([19])])[0][0]
     assert ((got - want).norm() / want.norm()).item() < 0.05  # int8 weights and activations: ~1.4 % here
+
+
+def test_packed_bench_times_what_the_program_holds():
+    """scripts/et_packed_bench.py: each timed step needs a free slot for its chunk."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "et_packed_bench.py"
+    spec = importlib.util.spec_from_file_location("et_packed_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.decoder_counts(5) == (1, 2, 4)
+    assert bench.decoder_counts(8) == (1, 2, 4)
+    assert bench.decoder_counts(4) == (1, 2, 3)
+    assert bench.decoder_counts(2) == (1,)
+    with pytest.raises(SystemExit):
+        bench.decoder_counts(1)

@@ -248,7 +248,7 @@ def test_mlc_step_mode_reads_mlc_llm_layout(llama_gguf, llama, tmp_path):
 
 
 def test_executorch_int8_export_costs_little_accuracy(llama_gguf, llama, tmp_path):
-    """The default dtype: XNNPACK's dynamic int8 linear layers, checked with a looser tolerance."""
+    """--dtype int8: XNNPACK's dynamic int8 linear layers, checked with a looser tolerance."""
     pytest.importorskip("executorch")
     import warnings
 
@@ -266,3 +266,22 @@ def test_executorch_int8_export_costs_little_accuracy(llama_gguf, llama, tmp_pat
     ref = result["vs_torch_fp32"]
     assert 1e-4 < ref["max_share_of_spread"] < 0.05  # quantised: not fp32-exact, but close
     assert ref["passed"] and result["vs_llamacpp"]["passed"], result
+
+
+def test_export_command_defaults_to_fp32_packed_for_a_gguf(llama_gguf, tmp_path):
+    """A GGUF exports fp32 in the packed layout unless told otherwise; --per-sequence keeps one Program each."""
+    pytest.importorskip("executorch")
+    from click.testing import CliRunner
+
+    from dlfp.backends.executorch_export import export_command
+
+    out = tmp_path / "m.pte"
+    r = CliRunner().invoke(export_command, ["--gguf", str(llama_gguf), "--out", str(out), "--max-seq-len", "128",
+                                            "--max-chunk", "32", "--slots", "2"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "m.pte.json").read_text())
+    assert meta["layout"] == "packed" and meta["slots"] == 2 and meta["model"]["dtype"] == "fp32"
+    r = CliRunner().invoke(export_command, ["--gguf", str(llama_gguf), "--out", str(tmp_path / "s.pte"),
+                                            "--max-seq-len", "128", "--max-chunk", "32", "--per-sequence"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "s.pte.json").read_text()).get("layout", "per-sequence") == "per-sequence"

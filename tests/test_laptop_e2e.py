@@ -58,3 +58,23 @@ def test_laptop_bad_inputs(tmp_path):
     assert r.exit_code != 0 and "unknown policy" in r.output
     r = runner.invoke(main, ["laptop", "--docs", str(tmp_path / "missing")])
     assert r.exit_code != 0 and "not a folder" in r.output
+
+
+def test_target_below_decode_only_is_said():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from dlfp.laptop import target_below_decode_only, target_notes
+    from dlfp.report_table import laptop_table
+
+    assert target_below_decode_only(100, 456.0) and not target_below_decode_only(1000, 456.0)
+    assert not target_below_decode_only(100, None) and target_notes(100, None) == []
+    assert target_notes(1000, 456.0) == []
+    (note,) = target_notes(100, 456.0)
+    assert "100 ms is below" in note and "456 ms" in note and "--itl-target-ms" in note
+    buf = StringIO()
+    summary = {"itl_target_ms": 100, "decode_only_itl_ms": 456.0, "exact_output_match": True,
+               "notes": [note], "policies": {}}
+    laptop_table(summary, Console(file=buf, width=400))
+    assert "one decode alone misses it" in buf.getvalue()

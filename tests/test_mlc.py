@@ -240,3 +240,33 @@ def test_laptop_job_runs_on_the_mlc_backend(tiny_mlc, tmp_path):
     assert summary["exact_output_match"] is True and summary["backend"]["name"] == "mlc"
     for p in summary["policies"].values():
         assert p["requests_failed"] == 0 and p["bg_docs_done"] == 1 and p["fg_turns_done"] == 1
+
+
+def test_dlight_schedule_keeps_the_plain_pipelines_logits(tiny_mlc, tmp_path):
+    """The default build (fused transpose-matmuls, dlight CPU rules) computes what apache-tvm's
+    plain pipeline does: same weights, same logits (prefill, batched decode)."""
+    from dlfp.backends.mlc.build_tiny import build_tiny
+
+    plain = build_tiny(tmp_path / "plain", seed=0, schedule="none").path
+    assert json.loads((tiny_mlc / CONFIG_NAME).read_text())["built_with"]["schedule"] == "dlight"
+    assert json.loads((plain / CONFIG_NAME).read_text())["built_with"]["schedule"] == "none"
+    rows = {}
+    for name, folder in (("dlight", tiny_mlc), ("none", plain)):
+        b = MLCStepBackend(StepConfig(str(folder), Limits(2, 256, 64), n_threads=1))
+        try:
+            a = prefill(b, 0, PROMPT)
+            prefill(b, 1, OTHER)
+            r = b.step(StepPlan(decodes=[DecodeItem(0, 7, len(PROMPT)), DecodeItem(1, 9, len(OTHER))]))
+            rows[name] = np.stack([a, r.logits[0], r.logits[1]])
+        finally:
+            b.close()
+    spread = np.ptp(rows["none"], axis=1).min()
+    assert spread > 0
+    assert np.abs(rows["dlight"] - rows["none"]).max() <= 1e-4 * spread
+
+
+def test_unknown_schedule_is_refused(tmp_path):
+    from dlfp.backends.mlc.build_tiny import build_tiny
+
+    with pytest.raises(ValueError, match="schedule 'fast'"):
+        build_tiny(tmp_path / "x", seed=0, schedule="fast")

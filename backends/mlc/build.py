@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlfp.backends.mlc.build_tiny import compile_model, write_folder
+from dlfp.backends.mlc.build_tiny import add_schedule_option, compile_model, write_folder
 from dlfp.backends.mlc.model_dir import ModelFolder
 
 TOKENIZER_DIR = "tokenizer"
@@ -59,7 +59,7 @@ def mlc_weights(cfg, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def build_gguf(out: str | Path, gguf_path: str | Path, context: int = 2048, layout: str = "dlfp",
-               prefill_chunk_size: int = 2048) -> ModelFolder:
+               prefill_chunk_size: int = 2048, schedule: str = "dlight") -> ModelFolder:
     from dlfp.backends import gguf_weights
 
     if layout not in ("dlfp", "mlc"):
@@ -72,14 +72,15 @@ def build_gguf(out: str | Path, gguf_path: str | Path, context: int = 2048, layo
     params = mlc_weights(cfg, weights)
     model = {"architecture": "llama", "gguf": str(Path(gguf_path).resolve()), **cfg.to_dict()}
     if layout == "mlc":
-        return _write_mlc_layout(out, gguf_path, mcfg, params, model, prefill_chunk_size)
+        return _write_mlc_layout(out, gguf_path, mcfg, params, model, prefill_chunk_size, schedule)
     gguf_weights.write_tokenizer(gguf_path, out / TOKENIZER_DIR)
-    shapes = compile_model(mcfg, out)
+    shapes = compile_model(mcfg, out, schedule)
     return write_folder(out, mcfg, shapes, params, {"kind": "hf", "folder": TOKENIZER_DIR}, model,
-                        "dequantised float32 from the GGUF")
+                        "dequantised float32 from the GGUF", schedule)
 
 
-def _write_mlc_layout(out: Path, gguf_path, mcfg, params: dict, model: dict, prefill_chunk_size: int) -> ModelFolder:
+def _write_mlc_layout(out: Path, gguf_path, mcfg, params: dict, model: dict, prefill_chunk_size: int,
+                      schedule: str = "dlight") -> ModelFolder:
     """MLC-LLM's folder layout with this build's library and float32 weights (MLC would name it q0f32)."""
     import json
 
@@ -92,7 +93,7 @@ def _write_mlc_layout(out: Path, gguf_path, mcfg, params: dict, model: dict, pre
     import contextlib
     import io
 
-    shapes = compile_model(mcfg, out)
+    shapes = compile_model(mcfg, out, schedule)
     with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard
         dump_tensor_cache([(name, params[name]) for name, _ in shapes], str(out), encode_format="raw",
                           show_progress=False)
@@ -123,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="positions per sequence (default 2048)")
     ap.add_argument("--layout", choices=("dlfp", "mlc"), default="dlfp",
                     help="dlfp's folder (default) or MLC-LLM's (mlc-chat-config.json + tensor cache)")
+    add_schedule_option(ap)
     args = ap.parse_args(argv)
     try:
         from dlfp.backends.gguf_weights import resolve
 
-        folder = build_gguf(args.out, resolve(args.gguf), args.context, args.layout)
+        folder = build_gguf(args.out, resolve(args.gguf), args.context, args.layout, schedule=args.schedule)
     except (ValueError, OSError) as exc:
         print(f"build: {exc}", file=sys.stderr)
         return 2
