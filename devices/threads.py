@@ -42,7 +42,7 @@ class ThreadGovernor:
         slack: float = 0.4,
         lower_after_s: float = 0.0,
         raise_after_s: float = 2.0,
-        poll_s: float = 0.1,
+        poll_s: float = 0.2,
     ):
         if not 1 <= min_threads <= max_threads:
             raise ValueError(f"need 1 <= min_threads <= max_threads, got {min_threads}, {max_threads}")

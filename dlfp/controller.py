@@ -80,9 +80,10 @@ class PrefillPolicy(ABC):
     def reset(self) -> None:
         """Nothing decodes any more: forget the interference state."""
 
-    def device_changed(self) -> None:
+    def device_changed(self, cost_factor: float | None = None) -> None:
         """The device got faster or slower under us (the step threads changed): what was
-        learned about its step times no longer holds."""
+        learned about its step times no longer holds. `cost_factor`: how much dearer a
+        step is expected to be now (2.0 going from two threads to one), where known."""
         self.reset()
 
     @property
@@ -354,10 +355,16 @@ class TailDLFP(PrefillPolicy):
         self._asked_at_zero = 0
         self._cap = self._planned()
 
-    def device_changed(self) -> None:
-        # A different device (thread count): learn its costs and spread afresh, from the
-        # initial cap with the warm-up growth limit, as at the start of a run.
-        self.model = StepCostModel(self.params.forgetting)
+    def device_changed(self, cost_factor: float | None = None) -> None:
+        # A different device (thread count). With a factor, the costs learned so far,
+        # scaled by it, are the prior (the right cap at once, as after a turn's reset;
+        # going to fewer threads this errs on the safe side, since threads rarely scale
+        # perfectly); without one, learn afresh from the initial cap with the warm-up
+        # growth limit, as at the start of a run. The spread is relearned either way.
+        if cost_factor and cost_factor > 0 and self.model.ready:
+            self.model.scale(cost_factor)
+        else:
+            self.model = StepCostModel(self.params.forgetting)
         self._ratios.clear()
         self._misses_at_min = 0
         self.reset()

@@ -372,7 +372,8 @@ class Engine:
         before = self.backend.threads
         if n == before or self._in_flight is not None or not self.backend.set_threads(n):
             return
-        self.observer.device_changed()
+        # A step's threads share its work: n threads instead of `before` cost before/n as much.
+        self.observer.device_changed(cost_factor=before / n if before else None)
         self.trace.note(f"step threads {before} -> {n} at {self.clock() - self.trace.origin:.3f} s")
 
     def _collect(self, key: int, step: PlannedStep, pending: PendingStep) -> None:

@@ -120,14 +120,15 @@ class StepObserver:
         self._pending[key] = stamp
         return stamp
 
-    def device_changed(self) -> None:
+    def device_changed(self, cost_factor: float | None = None) -> None:
         """The device's speed changed under the policies (fewer threads): steps in flight
-        belong to the old device, and what the policies learned from it is void."""
+        belong to the old device, and what the policies learned from it holds no more
+        (`cost_factor`: the expected change of every step's cost, where known)."""
         self._epoch += 1
         self._prev_call, self._prev_capped = None, False
-        self.policy.device_changed()
+        self.policy.device_changed(cost_factor)
         if self.budget is not None:
-            self.budget.device_changed()
+            self.budget.device_changed(cost_factor)
 
     # -- completion --------------------------------------------------------
     def completed(self, key: Hashable, duration_s: float | None = None,

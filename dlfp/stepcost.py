@@ -41,6 +41,13 @@ class StepCostModel:
             sample = min(CLIP * self.token_ms, max(self.token_ms / CLIP, sample))
             self.token_ms = self._mix(self.token_ms, sample)
 
+    def scale(self, factor: float) -> None:
+        """Every cost times `factor` (the device got that much slower); the rest is kept."""
+        if self.base_ms is not None:
+            self.base_ms *= factor
+        if self.token_ms is not None:
+            self.token_ms *= factor
+
     def _mix(self, old: float, new: float) -> float:
         return self.keep * old + (1 - self.keep) * new
 

@@ -157,3 +157,23 @@ def test_engine_drops_a_thread_while_a_neighbour_spins_and_returns_after():
         "step threads 2 -> 1", "step threads 1 -> 2"]
     assert bg  # still running when the chat ended: the shutdown aborted them
     assert statistics.median(itls(t_down + 1.0, busy[1])) < 0.11
+
+
+
+def test_a_thread_change_scales_what_was_learned():
+    """TailDLFP after a switch to half the threads: the learned costs, doubled, give the cap at
+    once; without a factor it starts again from the initial cap."""
+    params = DLFPParams(target_s=0.1, initial=4, minimum=1, maximum=256, quantum=1)
+    policy = TailDLFP(params)
+    for _ in range(40):  # a device where a decode costs 10 ms and a prompt token 5 ms
+        policy.model.update(10.0, 0)
+        policy.model.update(50.0, 8)
+    policy.reset()
+    quiet = policy.cap()
+    policy.device_changed(2.0)
+    assert policy.model.base_ms == pytest.approx(20.0, rel=0.05)
+    assert policy.model.token_ms == pytest.approx(10.0, rel=0.05)
+    slow = policy.cap()  # setpoint S: quiet = (S - 10) / 5, slow = (S - 20) / 10, floored
+    assert 1 <= slow < quiet and abs(slow - (5 * quiet - 10) / 10) <= 1
+    policy.device_changed()
+    assert not policy.model.ready and policy.cap() == params.initial
