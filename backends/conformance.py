@@ -91,10 +91,11 @@ def free_all(backend: Backend) -> None:
         backend.free_sequence(slot)
 
 
-def prefill(backend: Backend, slot: int, ids: list[int], chunks: list[int] | None = None) -> np.ndarray:
-    """Prefill `ids` into `slot` in the given chunk sizes (default: whole); last logits."""
-    sizes = chunks or [len(ids)]
-    start = 0
+def prefill(backend: Backend, slot: int, ids: list[int], chunks: list[int] | None = None,
+            start: int = 0) -> np.ndarray:
+    """Prefill `ids[start:]` into `slot` (the slot already holds the first `start`) in the
+    given chunk sizes (default: whole); last logits."""
+    sizes = chunks or [len(ids) - start]
     logits = None
     for size in sizes:
         piece = ids[start : start + size]
@@ -117,10 +118,14 @@ def greedy_decode(backend: Backend, slot: int, first: np.ndarray, position: int,
     return out
 
 
+def chunks_of(total: int, size: int) -> list[int]:
+    """`total` tokens in chunks of `size`, the last one shorter."""
+    return [size] * (total // size) + ([total % size] if total % size else [])
+
+
 def chunk_sizes(total: int, limit: int) -> list[int]:
-    size = max(1, min(limit, total // 3))
-    sizes = [size] * (total // size)
-    return sizes + ([total % size] if total % size else [])
+    """About three chunks, none over `limit`."""
+    return chunks_of(total, max(1, min(limit, total // 3)))
 
 
 def logit_gap(a: np.ndarray, b: np.ndarray) -> float:
@@ -213,7 +218,8 @@ def check_prefix_reuse(backend: Backend) -> str | None:
         # Slot 0 as a finished turn leaves it: the prompt, then the reply but its last token.
         greedy_decode(backend, 0, prefill(backend, 0, a), len(a), GREEDY_STEPS)
         expect(backend.keep_prefix(0, keep), f"{label}: keep_prefix(0, {keep}) refused on a backend declaring prefix_reuse")
-        first = _prefill_from(backend, 0, ids, keep)
+        first = prefill(backend, 0, ids, chunks_of(len(ids) - keep, max(1, backend.capabilities.max_batch_tokens)),
+                        start=keep)
         tokens = greedy_decode(backend, 0, first, len(ids), GREEDY_STEPS)
         free_all(backend)
         gap = logit_gap(cold_first, first)
@@ -221,17 +227,6 @@ def check_prefix_reuse(backend: Backend) -> str | None:
         expect(tokens == cold_tokens, f"{label}: greedy tokens {tokens} with reuse vs {cold_tokens} cold")
         gaps.append(gap)
     return f"next turn, shorter prompt, no common prefix: logit gap <= {max(gaps):.1e}; greedy tokens equal"
-
-
-def _prefill_from(backend: Backend, slot: int, ids: list[int], start: int) -> np.ndarray:
-    size = max(1, backend.capabilities.max_batch_tokens)
-    logits = None
-    for s in range(start, len(ids), size):
-        piece = ids[s : s + size]
-        last = s + len(piece) == len(ids)
-        r = backend.step(StepPlan(prefills=[PrefillChunk(slot, piece, s, last)]))
-        logits = r.logits[slot] if last else None
-    return logits
 
 
 def check_completion_timing(backend: Backend) -> str:

@@ -6,10 +6,11 @@ import pytest
 
 pytest.importorskip("executorch")
 
+from prefix_steps import cold, decode, prefill  # noqa: E402
 from tiny_pte import tiny_packed_pte, tiny_pte  # noqa: E402
 
 from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig  # noqa: E402
-from dlfp.backends.protocol import DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.backends.protocol import Limits  # noqa: E402
 from dlfp.controller import FixedCap, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402
@@ -28,31 +29,6 @@ def backend(request, tmp_path_factory):
 
 def ids(start, n):
     return [(start + 37 * i) % 250 + 3 for i in range(n)]  # byte tokens, no specials
-
-
-def prefill(b, slot, tokens, start=0, chunk=64):
-    logits = None
-    for s in range(start, len(tokens), chunk):
-        piece = tokens[s : s + chunk]
-        last = s + len(piece) == len(tokens)
-        r = b.step(StepPlan(prefills=[PrefillChunk(slot, piece, s, last)]))
-        logits = r.logits[slot] if last else None
-    return logits
-
-
-def decode(b, slot, first, position, n):
-    out = [int(first.argmax())]
-    for i in range(n - 1):
-        out.append(int(b.step(StepPlan(decodes=[DecodeItem(slot, out[-1], position + i)])).logits[slot].argmax()))
-    return out
-
-
-def cold(b, tokens, n_out=6):
-    b.free_sequence(2)
-    first = prefill(b, 2, tokens)
-    out = decode(b, 2, first, len(tokens), n_out)
-    b.free_sequence(2)
-    return first, out
 
 
 def close(a, b):

@@ -6,8 +6,10 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
+from prefix_steps import cold, decode, prefill  # noqa: E402
+
 from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig  # noqa: E402
-from dlfp.backends.protocol import DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.backends.protocol import Limits  # noqa: E402
 from dlfp.controller import FixedCap, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402
@@ -22,31 +24,6 @@ def backend(tiny_gguf):
 
 def ids(start, n):
     return [(start + 37 * i) % 400 + 50 for i in range(n)]
-
-
-def prefill(b, slot, tokens, start=0, chunk=64):
-    logits = None
-    for s in range(start, len(tokens), chunk):
-        piece = tokens[s : s + chunk]
-        last = s + len(piece) == len(tokens)
-        r = b.step(StepPlan(prefills=[PrefillChunk(slot, piece, s, last)]))
-        logits = r.logits[slot] if last else None
-    return logits
-
-
-def decode(b, slot, first_logits, position, n):
-    out = [int(first_logits.argmax())]
-    for i in range(n - 1):
-        out.append(int(b.step(StepPlan(decodes=[DecodeItem(slot, out[-1], position + i)])).logits[slot].argmax()))
-    return out
-
-
-def cold(b, tokens, n_out=6):
-    b.free_sequence(2)
-    first = prefill(b, 2, tokens)
-    out = decode(b, 2, first, len(tokens), n_out)
-    b.free_sequence(2)
-    return first, out
 
 
 def test_backend_declares_prefix_reuse(backend):
