@@ -152,6 +152,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.clock = clock
         self.trace = trace or Trace(origin=clock())
+        self.trace.max_threads = backend.max_threads if backend.threads is not None else None
         caps = backend.capabilities
         self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos, self.config.prefix_reuse,
                                    self.config.prefix_hold_s)

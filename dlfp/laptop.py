@@ -152,7 +152,7 @@ def session_summary(s: Session) -> dict:
         "time_split_s": time_split(s),
         "energy": energy_report(s.trace.samples, s.start, s.end, s.trace.steps, s.trace.requests),
         "governor_holds": sum(1 for st in s.trace.steps if st.governor and st.governor != "clear"),
-        **control_counts(s.trace.steps),
+        **control_counts(s.trace.steps, s.trace.max_threads),
         "notes": list(s.trace.notes),
     }
 

@@ -66,6 +66,7 @@ class Trace:
     requests: list[RequestRecord] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)  # probe readings
     notes: list[str] = field(default_factory=list)  # e.g. "target unreachable"
+    max_threads: int | None = None  # the backend's full step threads, where dlfp controls them
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_step(self, rec: StepRecord) -> None:
@@ -136,14 +137,10 @@ def read_steps(path: Path) -> list[StepRecord]:
         return [StepRecord(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f]
 
 
-def control_counts(steps: list[StepRecord]) -> dict:
+def control_counts(steps: list[StepRecord], max_threads: int | None) -> dict:
     """How often the runtime's controls acted: guarded steps kept free of background
-    prompt tokens (a cap of 0), and steps run on fewer threads than the backend has."""
+    prompt tokens (a cap of 0), and steps run on fewer than the backend's `max_threads`."""
     return {
         "zero_cap_steps": sum(1 for s in steps if s.guarded and s.cap == 0),
-        "reduced_thread_steps": sum(1 for s in steps if s.threads is not None and s.threads < _most_threads(steps)),
+        "reduced_thread_steps": sum(1 for s in steps if None not in (s.threads, max_threads) and s.threads < max_threads),
     }
-
-
-def _most_threads(steps: list[StepRecord]) -> int:
-    return max((s.threads for s in steps if s.threads is not None), default=0)

@@ -177,3 +177,17 @@ def test_a_thread_change_scales_what_was_learned():
     assert 1 <= slow < quiet and abs(slow - (5 * quiet - 10) / 10) <= 1
     policy.device_changed()
     assert not policy.model.ready and policy.cap() == params.initial
+
+
+def test_reduced_thread_steps_count_against_the_backends_threads():
+    """A run that spent every step on one of two threads counts every step as reduced."""
+    from dlfp.trace import StepRecord, control_counts
+
+    steps = [StepRecord(0.0, 0.01, 0.01, 1, 0, 0, True, 0, None, threads=1) for _ in range(3)]
+    assert control_counts(steps, 2) == {"zero_cap_steps": 3, "reduced_thread_steps": 3}
+    assert control_counts(steps, None)["reduced_thread_steps"] == 0  # threads not under our control
+    clock = VirtualClock()
+    assert Engine(ThreadedSim(lambda: False, clock=clock), TailDLFP(DLFPParams(0.1, 4, 1, 64)),
+                  clock=clock.now).trace.max_threads == 2
+    assert Engine(SimBackend(clock=clock), TailDLFP(DLFPParams(0.1, 4, 1, 64)),
+                  clock=clock.now).trace.max_threads is None

@@ -74,7 +74,7 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     row["prefill_tok_s"] = _rate(steps, ("n_prefill_fg", "n_prefill_bg"), [(start, end)])
     row["bg_prefill_tok_s"] = _rate(steps, ("n_prefill_bg",), [(start, end)]) if bg else None
     row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), _fg_windows(fg)) if bg else None
-    row.update(_step_stats(steps))
+    row.update(_step_stats(steps, run.trace.max_threads))
     if run.neighbour is not None:
         row["neighbour_s"] = [t - run.trace.origin for t in run.neighbour]
         row["phases"] = _phases(fg_done, fg, steps, (start, *run.neighbour, end), bool(bg))
@@ -164,13 +164,13 @@ def _phases(done_fg: list[RequestRecord], fg: list[RequestRecord], steps: list[S
     return out
 
 
-def _step_stats(steps: list[StepRecord] | None) -> dict:
+def _step_stats(steps: list[StepRecord] | None, max_threads: int | None) -> dict:
     steps = steps or []
     capped = [s for s in steps if s.capped]
     return {
         "steps": len(steps),
         "capped_steps": len(capped),
-        **control_counts(steps),
+        **control_counts(steps, max_threads),
         "capped_step_max_ms": max(s.duration_s for s in capped) * 1e3 if capped else None,
         "step_max_ms": max(s.duration_s for s in steps) * 1e3 if steps else None,
     }
