@@ -65,8 +65,10 @@ class PrefillPolicy(ABC):
     source: str = COMPLETION
 
     @abstractmethod
-    def cap(self) -> int | None:
-        """Prompt-token cap for the next guarded step; None means no cap."""
+    def cap(self, n_decode: int | None = None) -> int | None:
+        """Prompt-token cap for the next guarded step; None means no cap. `n_decode`: the
+        decodes that step will carry, where the caller knows it (a policy that learns the
+        step's cost plans for them)."""
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         """Latency of a guarded step that has completed.
@@ -99,7 +101,7 @@ class Unbounded(PrefillPolicy):
 
     name = "unbounded"
 
-    def cap(self) -> int | None:
+    def cap(self, n_decode: int | None = None) -> int | None:
         return None
 
 
@@ -112,7 +114,7 @@ class FixedCap(PrefillPolicy):
         self.tokens = tokens
         self.name = f"fixed:{tokens}"
 
-    def cap(self) -> int | None:
+    def cap(self, n_decode: int | None = None) -> int | None:
         return self.tokens
 
     def describe(self) -> dict:
@@ -221,7 +223,7 @@ class DLFP(PrefillPolicy):
         self._cap = params.initial
         self._misses_at_min = 0
 
-    def cap(self) -> int | None:
+    def cap(self, n_decode: int | None = None) -> int | None:
         return self._cap
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
@@ -255,6 +257,8 @@ def describe_params(name: str, source: str, p: DLFPParams) -> dict:
 
 
 WARMUP_OBSERVATIONS = 8  # before this many, the cost model is young: growth stays limited
+MIN_CHUNK_MEMORY = 16  # latest guarded steps that carried the minimum chunk (their time / prediction)
+MIN_CHUNK_MEASURED = 4  # of those, needed before their median corrects the prediction
 MIN_RATIOS = 32  # residuals needed before the observed spread replaces the prior
 MAX_SPREAD = 8.0
 
@@ -273,7 +277,14 @@ class TailDLFP(PrefillPolicy):
 
     When even the minimum chunk would break T at the quantile (and `zero_cap`),
     the cap is 0: no background prompt token joins a guarded step (counted in
-    `zero_steps`). The decode-only steps observed meanwhile keep the base cost
+    `zero_steps`). "Would break" is the model's prediction for the minimum chunk
+    times the median ratio of measured to predicted time over the steps that
+    recently carried it, against the setpoint: a small step's cost is not linear
+    in its tokens on a CPU (one decode 14 ms, plus one prompt token 27 ms, plus
+    three 42 ms), so the model fitted to larger steps overpredicts it, and kept
+    background out of steps that held T (measured at T = 50 ms). The ratio, not
+    the measured time, is kept: the model follows a device that slows down, so an
+    old ratio stays true where an old time would not. The decode-only steps observed meanwhile keep the base cost
     current, so the cap returns when the device is free again; one guarded step
     in `probe_every` carries the minimum chunk in case the per-token cost moved.
     """
@@ -288,9 +299,14 @@ class TailDLFP(PrefillPolicy):
         self._cap = params.initial
         self._misses_at_min = 0
         self._asked_at_zero = 0
+        self._min_ratios: deque[float] = deque(maxlen=MIN_CHUNK_MEMORY)
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
-    def cap(self) -> int | None:
+    def cap(self, n_decode: int | None = None) -> int | None:
+        if n_decode and n_decode != self.model.decodes:
+            self.model.decodes = n_decode  # the step's decodes cost too: plan for this many
+            if self.model.ready:
+                self._cap = self._planned()
         if self._cap > 0:
             return self._cap
         self._asked_at_zero += 1
@@ -306,10 +322,13 @@ class TailDLFP(PrefillPolicy):
         if latency_s <= 0 or n < 0:
             return  # nothing to learn from
         latency_ms = latency_s * 1e3
-        predicted = self.model.predict(n)
+        decodes = shape.n_decode if shape is not None and shape.n_decode > 0 else None
+        predicted = self.model.predict(n, decodes)
         if predicted and self.model.n_obs >= WARMUP_OBSERVATIONS:
             self._ratios.append(latency_ms / predicted)
-        self.model.update(latency_ms, n)
+        self.model.update(latency_ms, n, decodes)
+        if 0 < n <= p.minimum and predicted:
+            self._min_ratios.append(latency_ms / predicted)
         if n == 0:  # a decode-only guarded step: the base moved, so may the cap
             if self.model.ready and (self._cap == 0 or ran_with == 0):
                 self._cap = self._planned()
@@ -320,7 +339,7 @@ class TailDLFP(PrefillPolicy):
         if missed:  # reflex: equation (2) on the tokens the step carried
             new = min(new, math.floor(n * p.target_s / latency_s / p.quantum) * p.quantum)
             if new < p.minimum:
-                new = 0 if p.zero_cap and self.model.n_obs >= WARMUP_OBSERVATIONS else p.minimum
+                new = 0 if self._hold_out() else p.minimum
         if self.model.n_obs < WARMUP_OBSERVATIONS:
             growth = p.max_growth or 2.0
             new = min(new, max(int(max(ran_with, 1) * growth), ran_with + p.quantum))
@@ -345,9 +364,21 @@ class TailDLFP(PrefillPolicy):
             return p.initial
         room = self.model.tokens_within(self.setpoint_s() * 1e3)
         if room < p.minimum:
-            young = self.model.n_obs < WARMUP_OBSERVATIONS
-            return 0 if p.zero_cap and not young else p.minimum
+            return 0 if self._hold_out() else p.minimum
         return max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
+
+    def _hold_out(self) -> bool:
+        """Keep background prefill out of guarded steps: allowed, past the warm-up, and the
+        minimum chunk's step misses the setpoint as predicted and as measured. While the cap is
+        0 only probes add measurements; the model follows the decode-only steps, so the cap
+        returns as soon as the corrected prediction says the minimum fits again."""
+        p = self.params
+        if not p.zero_cap or self.model.n_obs < WARMUP_OBSERVATIONS:
+            return False
+        expected = self.model.predict(p.minimum)
+        if expected is not None and len(self._min_ratios) >= MIN_CHUNK_MEASURED:
+            expected *= sorted(self._min_ratios)[len(self._min_ratios) // 2]
+        return expected is None or expected > self.setpoint_s() * 1e3
 
     def reset(self) -> None:
         # What was learned is a property of the device and model, not of one turn:
@@ -360,12 +391,16 @@ class TailDLFP(PrefillPolicy):
         # scaled by it, are the prior (the right cap at once, as after a turn's reset;
         # going to fewer threads this errs on the safe side, since threads rarely scale
         # perfectly); without one, learn afresh from the initial cap with the warm-up
-        # growth limit, as at the start of a run. The spread is relearned either way.
+        # growth limit, as at the start of a run. A faster device (more threads) keeps
+        # the old costs: scaling them down by the thread ratio promised more than the
+        # threads gave (steps of 139 ms at T = 100 right after going back to two threads)
+        # and the next steps teach the speed-up safely. The spread is relearned either way.
         if cost_factor and cost_factor > 0 and self.model.ready:
-            self.model.scale(cost_factor)
+            self.model.scale(max(1.0, cost_factor))
         else:
             self.model = StepCostModel(self.params.forgetting)
         self._ratios.clear()
+        self._min_ratios.clear()
         self._misses_at_min = 0
         self.reset()
 

@@ -87,8 +87,9 @@ class StepObserver:
         self.last_observed: float | None = None
 
     # -- planning ----------------------------------------------------------
-    def begin(self, guarded: bool) -> int | None:
-        """Before planning: the cadence observation, then the cap (None: no cap for this step)."""
+    def begin(self, guarded: bool, n_decode: int | None = None) -> int | None:
+        """Before planning: the cadence observation, then the cap (None: no cap for this step).
+        `n_decode`: the decodes the step will carry, where the caller knows them."""
         t = self.clock()
         self._call = t
         self.last_observed = None
@@ -99,7 +100,7 @@ class StepObserver:
             self.policy.reset()
             self._epoch += 1
             return None
-        return self.policy.cap()
+        return self.policy.cap(n_decode)
 
     def budget_cap(self) -> int | None:
         """The cap for isolated background prefill this step (None: no budget)."""

@@ -23,12 +23,12 @@ import click
 import numpy as np
 
 from dlfp.backends.sim import ReplayNoise, SimBackend, replay_noise
-from dlfp.observer import step_shape
+from dlfp.observer import StepObserver, step_shape
 from dlfp.controller import (
     DLFP, DLFPParams, FixedCap, PrefillPolicy, TailDLFP, make_budget_policy,
 )
 from dlfp.scheduler import Scheduler
-from dlfp.sequence import BACKGROUND, FOREGROUND, Request, Sequence, Status
+from dlfp.sequence import BACKGROUND, FOREGROUND, Request, Sequence
 
 CHAT_PROMPT, CHAT_OUT, THINK_S = 256, 48, 2.0
 DOC_OUT, DOCS_QUEUED = 8, 4
@@ -71,8 +71,10 @@ def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: i
     backend = SimBackend(noise=noise, max_sequences=4, context=max(2048, cond.doc_len + 64),
                          max_batch_tokens=n_batch)
     sched = Scheduler(backend.capabilities)
-    budget = make_budget_policy(0.5, 32, n_batch)
     t, turn, docs = 0.0, 0, 0
+    # The engine's own observer decides what the policies are fed (resets, guarded and
+    # budgeted steps), on the virtual clock.
+    obs = StepObserver(policy, lambda: t, budget=make_budget_policy(0.5, 32, n_batch))
     next_turn = 1.0 + float(rng.uniform(0, 1))
     fg_done: list[Sequence] = []
     steps: list[tuple[float, float, int, bool, int | None]] = []  # (t0, t1, bg tokens, guarded, cap)
@@ -89,24 +91,21 @@ def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: i
             add(FOREGROUND, CHAT_PROMPT, CHAT_OUT, next_turn)
             turn, next_turn = turn + 1, None
         sched.admit()
-        guarded = sched.guarded()
-        if not guarded:
-            policy.reset()
-        cap = policy.cap() if guarded else None
-        step = sched.plan(cap, budget.cap())
+        cap = obs.begin(sched.guarded(), len(sched.decoding()))
+        step = sched.plan(cap, obs.budget_cap())
+        obs.scheduled(len(steps), step.guarded, step.cap, step_shape(step.plan),
+                      n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap)
         if step.plan.is_empty():
             t = next_turn if next_turn is not None else duration_s
             continue
         third = int(3 * t / duration_s)
         backend.cost_factor = cond.shift if third == 1 else 1.0
         d = backend.time_step(step.plan)
-        t0, t = t, t + d + STEP_OVERHEAD_S
-        if step.guarded:  # as the engine: every guarded step, decode-only ones too
-            policy.observe(d, cap=step.cap, shape=step_shape(step.plan))
-        if step.budgeted:
-            budget.observe(d, shape=step_shape(step.plan))
+        t0 = t
+        obs.completed(len(steps), duration_s=d)
+        t = t + d + STEP_OVERHEAD_S
         steps.append((t0, t, step.n_prefill_bg, step.guarded, step.cap))
-        for seq in _deliver(sched, step, t):
+        for seq in sched.update(step, {slot: 1 for slot in step.sampled_slots()}, t).finished:
             if seq.priority == FOREGROUND:
                 fg_done.append(seq)
                 next_turn = t + THINK_S
@@ -114,24 +113,6 @@ def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: i
                 add(BACKGROUND, cond.doc_len, DOC_OUT, t)
                 docs += 1
     return _metrics(cond, fg_done, steps, duration_s, getattr(policy, "zero_steps", 0))
-
-
-def _deliver(sched: Scheduler, step, t: float) -> list[Sequence]:
-    by_slot = {s.slot: s for s in sched.running}
-    for chunk in step.plan.prefills:
-        by_slot[chunk.seq_id].n_prefilled = chunk.end
-    sampled = [by_slot[d.seq_id] for d in step.plan.decodes]
-    sampled += [by_slot[c.seq_id] for c in step.plan.prefills if c.wants_logits]
-    finished = []
-    for seq in sampled:
-        seq.status = Status.DECODING
-        seq.output_ids.append(1)
-        seq.token_times.append(t)
-        if len(seq.output_ids) >= seq.request.max_tokens:
-            seq.status, seq.finished_s = Status.FINISHED, t
-            sched.release(seq)
-            finished.append(seq)
-    return finished
 
 
 def _metrics(cond: Condition, fg: list[Sequence], steps: list, duration_s: float, zero_steps: int) -> dict:

@@ -5,7 +5,7 @@
 # llama.cpp threads lose most of a step to any other runnable process: the thread
 # governor would then run dlfp's steps on one thread, and the figures would say so).
 #
-#   bash scripts/bench_series.sh              # all of them (~100 min on 2 cores)
+#   bash scripts/bench_series.sh              # all of them (~2 h 20 min on 2 cores)
 #   ONLY="laptop nn" bash scripts/bench_series.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,14 +17,16 @@ mkdir -p runs
 declare -A CMD=(
   [laptop]="$D laptop --out runs/laptop"
   [nn]="$D bench --workload noisy-neighbour --policies unbounded,fixed:2,fixed:4,fixed:8,dlfp --seeds 801 802 803 --out runs/noisy-neighbour"
-  [nn-best]="$D bench --workload noisy-neighbour --policies fixed:2,dlfp --seeds 801 802 803 --out runs/noisy-neighbour-best2"
+  [nn-best]="$D bench --workload noisy-neighbour --policies fixed:2,dlfp --seeds 801 802 803 --out runs/noisy-neighbour-best3"
   [t50]="$D bench --workload laptop --sweep fixed:1,2,4,8 --itl-target-ms 50 --seeds 801 802 803 --out runs/sweep-t50"
   [t100]="$D bench --workload laptop --sweep fixed:2,4,8,16 --seeds 801 802 803 --out runs/sweep-t100"
   [li]="$D bench --workload low-interference --seeds 801 802 803 --out runs/low-interference"
   [mti]="$D bench --workload multi-turn-ingest --policies dlfp --seeds 801 802 803 --out runs/mti"
   [mti-cold]="$D bench --workload multi-turn-ingest --policies dlfp --seeds 801 802 803 --no-cache-prompt --out runs/mti-cold"
+  [ls-mt]="env WORKLOAD=multi-turn-ingest OUT=runs/ls-mt bash scripts/llama_server_bench.sh"
+  [ls-laptop]="env WORKLOAD=laptop OUT=runs/ls-laptop bash scripts/llama_server_bench.sh"
 )
-ORDER=${ONLY:-laptop nn nn-best t50 li mti mti-cold t100}
+ORDER=${ONLY:-laptop nn nn-best t50 li mti mti-cold t100 ls-mt ls-laptop}
 
 for key in $ORDER; do
   cmd=${CMD[$key]:-}

@@ -320,3 +320,61 @@ def test_tail_params_validated():
                 dict(prior_spread=0.5), dict(probe_every=0)):
         with pytest.raises(ValueError):
             DLFPParams(0.1, 8, 1, 256, 1, **bad)
+
+
+# -- small steps on a CPU: cost is not linear in the tokens, and decodes cost like tokens ----
+# Measured on the default model at T = 50 ms (runs/sweep-t50, fixed:1/2 and dlfp traces): one
+# decode 14 ms, two 28 ms; one decode plus 1, 2, 3, 4 prompt tokens 27, 38, 42, 46 ms; two
+# decodes plus one prompt token 37 ms.
+SMALL_STEP_MS = {0: 14.0, 1: 27.0, 2: 38.0, 3: 42.0, 4: 46.0}
+
+
+def small_step_ms(n: int, decodes: int = 1) -> float:
+    extra = (14.0 if n == 0 else 10.0) * (decodes - 1)
+    return extra + (SMALL_STEP_MS[n] if n in SMALL_STEP_MS else 46.0 + 4.0 * (n - 4))
+
+
+def test_tail_keeps_the_minimum_chunk_where_it_was_measured_to_fit():
+    """A model fitted to 2-3 token steps predicts a one-token step dearer than it is; the cap
+    must not go to 0 while steps that carried the minimum chunk meet T."""
+    rng = random.Random(11)
+    c = TailDLFP(DLFPParams(0.050, 4, 1, 256, 1, max_growth=1.25, zero_cap=True))
+    lat, caps = [], []
+    for k in range(1500):
+        decodes = 2 if (k // 150) % 3 == 2 else 1  # a background request decodes now and then
+        cap = c.cap(decodes)
+        n = 0 if k % 7 == 6 else cap  # now and then no prompt is pending
+        ms = small_step_ms(n, decodes) * math.exp(rng.gauss(0, 0.06))
+        lat.append(ms)
+        caps.append(cap)
+        c.observe(ms / 1e3, cap=cap, shape=StepShape(decodes, n, 0, 0))
+    steady = lat[200:]
+    assert quantile(steady, 0.99) <= 55.0
+    assert c.zero_steps <= 20, c.zero_steps  # measured: one-token steps meet 50 ms
+    assert sum(1 for cap in caps[200:] if cap >= 1) >= 0.98 * len(caps[200:])
+
+
+def test_tail_plans_for_the_decodes_the_step_carries():
+    """After seeing one- and two-decode steps, a two-decode step gets the smaller cap: a
+    second decode costs about as much as a prompt token (measured), and one base for both
+    misplans both."""
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    for k in range(300):
+        decodes = 1 + k % 2
+        cap = c.cap(decodes)
+        n = 0 if k % 5 < 2 else cap
+        c.observe((14.0 + 10.0 * (decodes - 1) + 10.0 * n) / 1e3, cap=cap, shape=StepShape(decodes, n, 0, 0))
+    one, two = c.cap(1), c.cap(2)
+    assert c.model.base(1) == pytest.approx(14.0, rel=0.02) and c.model.base(2) == pytest.approx(24.0, rel=0.02)
+    assert one - two == 1  # one decode's worth of prompt tokens fewer
+    assert 24.0 + 10.0 * two <= 100.0 / c.spread() + 1e-6 < 24.0 + 10.0 * (two + 1)
+    assert c.model.base(3) == pytest.approx(34.0, rel=0.02)
+
+
+def test_more_threads_keep_the_learned_costs():
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1))
+    for _ in range(40):
+        c.model.update(20.0, 0)
+        c.model.update(60.0, 4)
+    c.device_changed(0.5)  # two threads again after one: the speed-up is learned, not assumed
+    assert c.model.base_ms == pytest.approx(20.0, rel=0.05) and c.model.token_ms == pytest.approx(10.0, rel=0.05)

@@ -85,7 +85,7 @@ class _DLFPMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         decodes = {r.request_id: n for r in self.running if (n := self._decode_tokens(r)) > 0}
-        cap = self.dlfp.begin(guarded=bool(decodes))
+        cap = self.dlfp.begin(guarded=bool(decodes), n_decode=len(decodes))
         if cap is None:
             out = super().schedule(*args, **kwargs)
         else:
