@@ -284,8 +284,8 @@ class TailDLFP(PrefillPolicy):
     three 42 ms), so the model fitted to larger steps overpredicts it, and kept
     background out of steps that held T (measured at T = 50 ms). The ratio, not
     the measured time, is kept: the model follows a device that slows down, so an
-    old ratio stays true where an old time would not. The decode-only steps observed meanwhile keep the base cost
-    current, so the cap returns when the device is free again; one guarded step
+    old ratio stays true where an old time would not. The decode-only steps
+    observed meanwhile keep the base cost current, so the cap returns when the device is free again; one guarded step
     in `probe_every` carries the minimum chunk in case the per-token cost moved.
     """
 

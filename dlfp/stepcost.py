@@ -7,8 +7,8 @@ exponentially weighted average of the decode-only steps, each less k per extra
 decode (on a 2-core CPU a second decode costs about as much as a prompt token:
 14 ms for one decode, 28 ms for two, measured on the default model; one base for
 every decode count mispredicted every step after the count changed; a base per
-decode count went stale for the counts not seen while the device slowed). k: the cost of
-one prompt token now, an exponentially weighted average of (L - a(d)) / n over
+decode count would go stale for the counts not seen while the device slows). k:
+the cost of one prompt token now, an exponentially weighted average of (L - a(d)) / n over
 the steps that carried n prompt tokens. k follows the prompt's position (a token
 deep in a long document attends over more cells) and a slower device (another
 process taking a core) within a few steps, because each observation measures it
@@ -76,7 +76,7 @@ class StepCostModel:
             return None
         return (base or 0.0) + n * (self.token_ms or 0.0)
 
-    def tokens_within(self, budget_ms: float, n_decode: int | None = None) -> float:
-        """How many prompt tokens fit in a step of `budget_ms` (may be negative)."""
+    def tokens_within(self, budget_ms: float) -> float:
+        """How many prompt tokens fit in a step of `budget_ms` beside `decodes` decodes (may be negative)."""
         assert self.token_ms is not None, "no capped step observed yet"
-        return (budget_ms - (self.base(n_decode) or 0.0)) / self.token_ms
+        return (budget_ms - (self.base() or 0.0)) / self.token_ms

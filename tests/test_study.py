@@ -1,8 +1,7 @@
 """`dlfp study` (SIMULATED): the command runs end to end on a recorded trace, drives the
 engine's own observer, and its figures move the way the costs say they must."""
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
