@@ -300,13 +300,17 @@ class TailDLFP(PrefillPolicy):
         self._misses_at_min = 0
         self._asked_at_zero = 0
         self._min_ratios: deque[float] = deque(maxlen=MIN_CHUNK_MEMORY)
+        self._reflex: int | None = None  # the miss reflex's cut, in force until the next observation
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
     def cap(self, n_decode: int | None = None) -> int | None:
         if n_decode and n_decode != self.model.decodes:
             self.model.decodes = n_decode  # the step's decodes cost too: plan for this many
             if self.model.ready:
-                self._cap = self._planned()
+                # Replanned for the new count, but not above the cut the last miss made:
+                # that cut holds until the next observation.
+                planned = self._planned()
+                self._cap = planned if self._reflex is None else min(planned, self._reflex)
         if self._cap > 0:
             return self._cap
         self._asked_at_zero += 1
@@ -330,16 +334,20 @@ class TailDLFP(PrefillPolicy):
         if 0 < n <= p.minimum and predicted:
             self._min_ratios.append(latency_ms / predicted)
         if n == 0:  # a decode-only guarded step: the base moved, so may the cap
+            self._reflex = None
             if self.model.ready and (self._cap == 0 or ran_with == 0):
                 self._cap = self._planned()
             return
         missed = latency_s > p.target_s
         self._misses_at_min = self._misses_at_min + 1 if n <= p.minimum and missed else 0
-        new = self._planned()
+        setpoint_ms = self.setpoint_s() * 1e3
+        new = self._planned(setpoint_ms)
+        self._reflex = None
         if missed:  # reflex: equation (2) on the tokens the step carried
             new = min(new, math.floor(n * p.target_s / latency_s / p.quantum) * p.quantum)
             if new < p.minimum:
-                new = 0 if self._hold_out() else p.minimum
+                new = 0 if self._hold_out(setpoint_ms) else p.minimum
+            self._reflex = new
         if self.model.n_obs < WARMUP_OBSERVATIONS:
             growth = p.max_growth or 2.0
             new = min(new, max(int(max(ran_with, 1) * growth), ran_with + p.quantum))
@@ -357,17 +365,18 @@ class TailDLFP(PrefillPolicy):
     def setpoint_s(self) -> float:
         return self.params.target_s / self.spread()
 
-    def _planned(self) -> int:
+    def _planned(self, setpoint_ms: float | None = None) -> int:
         """Tokens the model fits under the setpoint, floored to the quantum and clamped."""
         p = self.params
         if not self.model.ready:
             return p.initial
-        room = self.model.tokens_within(self.setpoint_s() * 1e3)
+        setpoint_ms = self.setpoint_s() * 1e3 if setpoint_ms is None else setpoint_ms
+        room = self.model.tokens_within(setpoint_ms)
         if room < p.minimum:
-            return 0 if self._hold_out() else p.minimum
+            return 0 if self._hold_out(setpoint_ms) else p.minimum
         return max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
 
-    def _hold_out(self) -> bool:
+    def _hold_out(self, setpoint_ms: float) -> bool:
         """Keep background prefill out of guarded steps: allowed, past the warm-up, and the
         minimum chunk's step misses the setpoint as predicted and as measured. While the cap is
         0 only probes add measurements; the model follows the decode-only steps, so the cap
@@ -378,12 +387,13 @@ class TailDLFP(PrefillPolicy):
         expected = self.model.predict(p.minimum)
         if expected is not None and len(self._min_ratios) >= MIN_CHUNK_MEASURED:
             expected *= sorted(self._min_ratios)[len(self._min_ratios) // 2]
-        return expected is None or expected > self.setpoint_s() * 1e3
+        return expected is None or expected > setpoint_ms
 
     def reset(self) -> None:
         # What was learned is a property of the device and model, not of one turn:
         # keep it, and start the next turn at the cap it gives.
         self._asked_at_zero = 0
+        self._reflex = None
         self._cap = self._planned()
 
     def device_changed(self, cost_factor: float | None = None) -> None:
@@ -402,6 +412,7 @@ class TailDLFP(PrefillPolicy):
         self._ratios.clear()
         self._min_ratios.clear()
         self._misses_at_min = 0
+        self._reflex = None
         self.reset()
 
     @property

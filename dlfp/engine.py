@@ -336,13 +336,14 @@ class Engine:
         obs = self.observer
         if self.thread_governor is not None:
             self._set_threads(self.thread_governor(self.clock()))
-        cap = obs.begin(self.scheduler.guarded(), len(self.scheduler.decoding()))
+        cap = obs.begin(self.scheduler.guarded(), self.scheduler.protected_decodes())
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
-        step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed)
+        step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed,
+                                   now=self.clock())
         self._step_no += 1
         obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step.plan),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label,
-                      threads=self.backend.threads)
+                      threads=self.backend.threads, n_decode_held=step.n_decode_held)
         previous, self._in_flight = self._in_flight, None
         if step.plan.is_empty():
             if previous is not None:  # nothing more can be planned before it is back

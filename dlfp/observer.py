@@ -52,6 +52,7 @@ class Stamp:
     bg_cap: int | None = None  # the preemption budget's cap in force
     governor: str | None = None  # the thermal governor's decision for this step
     threads: int | None = None  # the backend's step threads (None: not under our control)
+    n_decode_held: int = 0  # background decodes the cap kept out of the step
 
     @property
     def capped(self) -> bool:
@@ -108,10 +109,11 @@ class StepObserver:
 
     def scheduled(self, key: Hashable, guarded: bool, cap: int | None, shape: StepShape, *,
                   n_prefill_bg: int = 0, bg_cap: int | None = None, governor: str | None = None,
-                  threads: int | None = None) -> Stamp:
+                  threads: int | None = None, n_decode_held: int = 0) -> Stamp:
         """After planning: the step can start on the device from now. An empty step
         (nothing to run) breaks the cadence chain and is never completed."""
-        stamp = Stamp(self.clock(), guarded, cap, shape, self._epoch, n_prefill_bg, bg_cap, governor, threads)
+        stamp = Stamp(self.clock(), guarded, cap, shape, self._epoch, n_prefill_bg, bg_cap, governor, threads,
+                      n_decode_held)
         if stamp.empty:
             self._prev_call, self._prev_capped = None, False
             return stamp
@@ -174,6 +176,7 @@ class StepObserver:
             device_duration_s=device_duration_s,
             governor=stamp.governor,
             threads=stamp.threads,
+            n_decode_held=stamp.n_decode_held,
         )
 
 

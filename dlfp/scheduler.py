@@ -6,8 +6,15 @@ Each step, in order:
 
 How many prompt tokens join:
 - guarded step (a protected sequence decodes): at most the policy's cap, shared by
-  all prompts of the step; a cap of 0 keeps every background prompt out, while a
-  foreground prompt (a second chat) still advances one token per step;
+  all prompts of the step and the background decodes (one token each, after the
+  foreground prompts: a background decode costs about what a prompt token costs);
+  a cap of 0 keeps every background prompt and decode out, and a foreground
+  prompt too (a second chat) until it has waited `fg_starvation_s` since it
+  arrived; from then on it advances one token per step. A step that carries one
+  more sequence costs about a whole decode on a CPU (two decodes 35 ms, one 18 ms,
+  measured on the default model), so a one-token chunk beside two streaming chats
+  broke T in every step it rode, for one token of progress; the chat waits for a
+  stream to end instead, or for the bound;
 - foreground prompt with no protected decode beside it: full batches;
 - background prompt with no protected decode beside it: at most the preemption
   budget's token count, so a foreground message that arrives meanwhile waits at
@@ -32,6 +39,10 @@ from dlfp.prefix_cache import DEFAULT_HOLD_S, PrefixCache
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
 from dlfp.trace import is_capped
 
+# How long a foreground prompt may be kept out by a cap of 0 before it advances one token
+# per step: the laptop workload's TTFT SLO, well past a typical reply's streaming time.
+FG_STARVATION_S = 5.0
+
 
 @dataclass
 class PlannedStep:
@@ -42,6 +53,7 @@ class PlannedStep:
     n_prefill_fg: int
     n_prefill_bg: int
     seqs: dict[int, Sequence] = field(default_factory=dict)  # slot -> the sequence it held when planned
+    n_decode_held: int = 0  # background decodes a guarded step's cap kept waiting
 
     @property
     def capped(self) -> bool:
@@ -68,8 +80,10 @@ class Scheduler:
         is_eos: Callable[[int], bool] = lambda token: False,
         prefix_reuse: bool = False,
         prefix_hold_s: float | None = DEFAULT_HOLD_S,
+        fg_starvation_s: float | None = FG_STARVATION_S,
     ):
         self.caps = caps
+        self.fg_starvation_s = fg_starvation_s  # None: a foreground prompt never waits at cap 0
         self.is_eos = is_eos
         self.protect = protect  # classes whose decodes the cap guards
         self.waiting: dict[str, deque[Sequence]] = {FOREGROUND: deque(), BACKGROUND: deque()}
@@ -215,32 +229,46 @@ class Scheduler:
     def guarded(self) -> bool:
         return any(s.priority in self.protect for s in self.decoding())
 
+    def protected_decodes(self) -> int:
+        """Decodes a guarded step always carries (the others draw on the cap)."""
+        return sum(1 for s in self.decoding() if s.priority in self.protect)
+
     # -- planning ----------------------------------------------------------
-    def plan(self, cap: int | None, bg_cap: int | None, background: bool = True) -> PlannedStep:
+    def plan(self, cap: int | None, bg_cap: int | None, background: bool = True,
+             now: float | None = None) -> PlannedStep:
         """The next step. `background=False` (the thermal governor's hold) keeps every
-        background prompt out of this step, guarded or not; background decodes still run."""
+        background prompt out of this step, guarded or not; background decodes still run.
+        `now` (the clock sequences' arrivals are on) ages foreground prompts held at cap 0;
+        None: they are never held.
+
+        In a guarded step under a cap, an unprotected (background) decode is background
+        work like a prompt token, and costs about as much: it draws one token of the cap,
+        after the foreground prompts and before the background ones (it finishes a
+        document whose slot is then free). A cap of 0 keeps it waiting."""
         decoding = self.decoding()
         prefilling = self._prefill_order()
         guarded = any(s.priority in self.protect for s in decoding)
         if not self.caps.multi_sequence:
             decoding, prefilling = self._time_slice(decoding, prefilling)
+        held: list[Sequence] = []
+        if guarded and cap is not None and background:
+            held = [s for s in decoding if s.priority not in self.protect]
+            decoding = [s for s in decoding if s.priority in self.protect]
 
-        # A token still in flight is fed from the device (pipelined engines).
-        plan = StepPlan(decodes=[
-            DecodeItem(s.slot, PLACEHOLDER_TOKEN if s.in_flight else s.output_ids[-1], s.next_position + s.in_flight)
-            for s in decoding
-        ])
+        plan = StepPlan(decodes=[self._decode_item(s) for s in decoding])
         room = self.caps.max_batch_tokens - plan.n_decode
         if guarded and cap is not None:
             room = min(room, cap)
         fg_loading = any(s.priority == FOREGROUND for s in prefilling)
         counts = {FOREGROUND: 0, BACKGROUND: 0}
         for seq in prefilling:
+            if seq.priority == BACKGROUND and held:
+                room -= self._join_held(plan, held, room)
             if seq.priority == BACKGROUND and not background:
                 break  # prefilling is sorted foreground first
             limit = room
             if cap == 0 and guarded and seq.priority == FOREGROUND and not counts[FOREGROUND]:
-                limit = 1  # a second chat must not starve behind the first one's decode
+                limit = 1 if self._starving(seq, now) else 0  # a second chat must not starve
             if seq.priority == BACKGROUND and not guarded:
                 if fg_loading:
                     break  # the foreground prompt gets the whole device
@@ -254,6 +282,7 @@ class Scheduler:
             plan.prefills.append(PrefillChunk(seq.slot, ids, start, start + n == seq.prompt_len))
             counts[seq.priority] += n
             room -= n
+        self._join_held(plan, held, room)  # if no background prompt came to take them in
         return PlannedStep(
             plan=plan,
             guarded=guarded,
@@ -262,7 +291,23 @@ class Scheduler:
             n_prefill_fg=counts[FOREGROUND],
             n_prefill_bg=counts[BACKGROUND],
             seqs={s.slot: s for s in self.running},
+            n_decode_held=len(held),
         )
+
+    def _starving(self, seq: Sequence, now: float | None) -> bool:
+        return now is None or self.fg_starvation_s is None or now - seq.arrival_s >= self.fg_starvation_s
+
+    def _decode_item(self, s: Sequence) -> DecodeItem:
+        # A token still in flight is fed from the device (pipelined engines).
+        return DecodeItem(s.slot, PLACEHOLDER_TOKEN if s.in_flight else s.output_ids[-1], s.next_position + s.in_flight)
+
+    def _join_held(self, plan: StepPlan, held: list[Sequence], room: int) -> int:
+        """Moves held background decodes into the step while the cap has room (what stays
+        in `held` waits for a later step); returns how many joined."""
+        n = max(0, min(room, len(held)))
+        plan.decodes.extend(self._decode_item(s) for s in held[:n])
+        del held[:n]
+        return n
 
     def _prefill_order(self) -> list[Sequence]:
         loading = [s for s in self.running if s.status == Status.PREFILLING]

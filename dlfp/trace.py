@@ -33,6 +33,7 @@ class StepRecord:
     device_duration_s: float | None = None
     governor: str | None = None  # thermal governor decision, when one runs
     threads: int | None = None  # the backend's step threads, where dlfp controls them
+    n_decode_held: int = 0  # background decodes a guarded step's cap kept waiting
 
     @property
     def capped(self) -> bool:

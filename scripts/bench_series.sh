@@ -17,7 +17,7 @@ mkdir -p runs
 declare -A CMD=(
   [laptop]="$D laptop --out runs/laptop"
   [nn]="$D bench --workload noisy-neighbour --policies unbounded,fixed:2,fixed:4,fixed:8,dlfp --seeds 801 802 803 --out runs/noisy-neighbour"
-  [nn-best]="$D bench --workload noisy-neighbour --policies fixed:2,dlfp --seeds 801 802 803 --out runs/noisy-neighbour-best3"
+  [nn-best]="$D bench --workload noisy-neighbour --policies fixed:2,dlfp --seeds 801 802 803 --out runs/noisy-neighbour-best4"
   [t50]="$D bench --workload laptop --sweep fixed:1,2,4,8 --itl-target-ms 50 --seeds 801 802 803 --out runs/sweep-t50"
   [t100]="$D bench --workload laptop --sweep fixed:2,4,8,16 --seeds 801 802 803 --out runs/sweep-t100"
   [li]="$D bench --workload low-interference --seeds 801 802 803 --out runs/low-interference"

@@ -378,3 +378,19 @@ def test_more_threads_keep_the_learned_costs():
         c.model.update(60.0, 4)
     c.device_changed(0.5)  # two threads again after one: the speed-up is learned, not assumed
     assert c.model.base_ms == pytest.approx(20.0, rel=0.05) and c.model.token_ms == pytest.approx(10.0, rel=0.05)
+
+
+def test_a_new_decode_count_does_not_undo_the_miss_reflex():
+    """A step that misses T cuts the cap by equation (2); replanning for a changed decode
+    count before the next observation must not raise it back (it did: the cut was lost)."""
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    for k in range(200):
+        n = 0 if k % 4 == 0 else c.cap(1)
+        c.observe((14.0 + 10.0 * n) / 1e3, cap=n, shape=StepShape(1, n, 0, 0))
+    planned = c.cap(1)
+    assert planned >= 4
+    c.observe(250.0 / 1e3, cap=planned, shape=StepShape(1, planned, 0, 0))  # a preempted step: 2.5 T
+    cut = math.floor(planned * 100 / 250)
+    assert c.cap(2) <= cut  # one decode more: replanned, but not above the reflex's cut
+    c.observe((24.0 + 10.0 * cut) / 1e3, cap=cut, shape=StepShape(2, cut, 0, 0))
+    assert c.cap(2) > cut  # the next step met T: the model's plan again

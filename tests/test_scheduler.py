@@ -1,5 +1,5 @@
 from dlfp.backends.protocol import TIMING_SYNC_WALL, Capabilities
-from dlfp.scheduler import Scheduler
+from dlfp.scheduler import FG_STARVATION_S, Scheduler
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Request, Sequence, Status
 
 
@@ -33,8 +33,30 @@ def test_every_decode_joins_and_cap_is_shared_by_all_prompts():
     step = sched.plan(cap=12, bg_cap=None)
     assert step.guarded and step.capped
     assert {d.seq_id for d in step.plan.decodes} == {fg_dec.slot, bg_dec.slot}
-    assert step.plan.n_prefill == 12  # two long prompts do not each take the cap
+    assert step.plan.n_prefill == 11  # two long prompts do not each take the cap; the background decode takes one
     assert [c.seq_id for c in step.plan.prefills] == [bg1.slot]
+    step = sched.plan(cap=None, bg_cap=None)  # no cap in force: every decode and a full batch
+    assert len(step.plan.decodes) == 2 and step.plan.n_prefill == 62
+
+
+def test_background_decode_draws_on_the_cap_after_foreground_prompts():
+    sched = Scheduler(caps())
+    fg_dec, bg_dec, bg = admitted(sched, seq(10, decoding=True), seq(10, BACKGROUND, decoding=True),
+                                  seq(50, BACKGROUND))
+    step = sched.plan(cap=0, bg_cap=32)  # cap 0: the background decode waits too
+    assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
+    assert step.n_decode_held == 1 and step.plan.n_prefill == 0
+    step = sched.plan(cap=1, bg_cap=32)  # one token of room: the decode, not the prompt (it ends a document)
+    assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot, bg_dec.slot]
+    assert step.n_decode_held == 0 and step.plan.n_prefill == 0
+    (fg2,) = admitted(sched, seq(30, FOREGROUND))
+    step = sched.plan(cap=4, bg_cap=32)  # a second chat's prompt comes first
+    assert step.n_prefill_fg == 4 and step.n_decode_held == 1 and step.n_prefill_bg == 0
+    step = sched.plan(cap=4, bg_cap=32, background=False)  # the thermal hold keeps background decodes running
+    assert len(step.plan.decodes) == 2 and step.n_decode_held == 0 and step.n_prefill_fg == 4
+    sched.finish(fg2, FinishReason.STOP, 0.0)
+    step = sched.plan(cap=3, bg_cap=32)
+    assert len(step.plan.decodes) == 2 and step.n_prefill_bg == 2
 
 
 def test_foreground_prompt_goes_before_background():
@@ -154,10 +176,15 @@ def test_cap_zero_keeps_background_out_but_a_second_chat_advances():
     step = sched.plan(cap=0, bg_cap=32)
     assert step.guarded and not step.capped and step.plan.n_prefill == 0 and step.cap == 0
     assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
-    (fg2,) = admitted(sched, seq(30, FOREGROUND))
-    step = sched.plan(cap=0, bg_cap=32)
+    (fg2,) = admitted(sched, seq(30, FOREGROUND))  # arrived at 0.0
+    step = sched.plan(cap=0, bg_cap=32, now=FG_STARVATION_S - 0.1)  # it waits for a stream to end...
+    assert step.plan.n_prefill == 0 and [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
+    step = sched.plan(cap=0, bg_cap=32, now=FG_STARVATION_S)  # ...or for the bound, then one token a step
     assert [(c.seq_id, len(c.token_ids)) for c in step.plan.prefills] == [(fg2.slot, 1)]
     assert step.n_prefill_bg == 0 and step.capped
+    assert sched.plan(cap=0, bg_cap=32).n_prefill_fg == 1  # no clock: never held
+    step = sched.plan(cap=3, bg_cap=32, now=0.5)  # under a cap it is never held
+    assert step.n_prefill_fg == 3
     # Unguarded (the chat has finished): cap 0 is not in force; the budget sizes background.
     sched.finish(fg_dec, FinishReason.STOP, 0.0)
     sched.finish(fg2, FinishReason.STOP, 0.0)
