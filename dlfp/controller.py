@@ -47,6 +47,7 @@ class StepShape:
     n_prefill: int = 0  # prompt tokens of all chunks together
     prefill_position_sum: int = 0  # sum over prompt tokens of their positions
     decode_position_sum: int = 0  # sum over decode tokens of their positions
+    n_chunks: int | None = None  # prompt chunks (sequences carrying prompt tokens); None: unknown
 
     @property
     def mean_prefill_position(self) -> float:
@@ -330,7 +331,7 @@ class TailDLFP(PrefillPolicy):
         predicted = self.model.predict(n, decodes)
         if predicted and self.model.n_obs >= WARMUP_OBSERVATIONS:
             self._ratios.append(latency_ms / predicted)
-        self.model.update(latency_ms, n, decodes)
+        self.model.update(latency_ms, n, decodes, shape.n_chunks if shape is not None else None)
         if 0 < n <= p.minimum and predicted:
             self._min_ratios.append(latency_ms / predicted)
         if n == 0:  # a decode-only guarded step: the base moved, so may the cap
@@ -423,7 +424,7 @@ class TailDLFP(PrefillPolicy):
         """What the controller has learned (for traces and the study)."""
         m = self.model
         return {"cap": self._cap, "spread": self.spread(), "setpoint_ms": self.setpoint_s() * 1e3,
-                "base_ms": m.base_ms, "token_ms": m.token_ms, "observations": m.n_obs,
+                "base_ms": m.base_ms, "seq_ms": m.seq_ms, "token_ms": m.token_ms, "observations": m.n_obs,
                 "zero_steps": self.zero_steps}
 
     def describe(self) -> dict:

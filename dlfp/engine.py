@@ -336,7 +336,7 @@ class Engine:
         obs = self.observer
         if self.thread_governor is not None:
             self._set_threads(self.thread_governor(self.clock()))
-        cap = obs.begin(self.scheduler.guarded(), self.scheduler.protected_decodes())
+        cap = obs.begin(self.scheduler.guarded(), len(self.scheduler.decoding()))
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
         step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed,
                                    now=self.clock())

@@ -194,4 +194,5 @@ def plan_shape(decode_positions: list[int], chunks: list[tuple[int, int]]) -> St
         n_prefill=sum(n for _, n in chunks),
         prefill_position_sum=prefill_sum,
         decode_position_sum=sum(decode_positions),
+        n_chunks=len(chunks),
     )

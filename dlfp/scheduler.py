@@ -6,15 +6,14 @@ Each step, in order:
 
 How many prompt tokens join:
 - guarded step (a protected sequence decodes): at most the policy's cap, shared by
-  all prompts of the step and the background decodes (one token each, after the
-  foreground prompts: a background decode costs about what a prompt token costs);
-  a cap of 0 keeps every background prompt and decode out, and a foreground
-  prompt too (a second chat) until it has waited `fg_starvation_s` since it
-  arrived; from then on it advances one token per step. A step that carries one
-  more sequence costs about a whole decode on a CPU (two decodes 35 ms, one 18 ms,
-  measured on the default model), so a one-token chunk beside two streaming chats
-  broke T in every step it rode, for one token of progress; the chat waits for a
-  stream to end instead, or for the bound;
+  all prompts of the step. The policy plans for every decode of the step; a cap of
+  0 (not even one prompt token fits) keeps every background prompt and decode out,
+  and a foreground prompt too (a second chat) until it has waited
+  `fg_starvation_s` since it arrived; from then on it advances one token per step.
+  A step that carries one more sequence costs about a whole decode on a CPU (two
+  decodes 35 ms, one 18 ms, measured on the default model), so a one-token chunk
+  or a background decode beside the streaming chats broke T in every step it
+  rode; the chat waits for a stream to end instead, or for the bound;
 - foreground prompt with no protected decode beside it: full batches;
 - background prompt with no protected decode beside it: at most the preemption
   budget's token count, so a foreground message that arrives meanwhile waits at
@@ -229,10 +228,6 @@ class Scheduler:
     def guarded(self) -> bool:
         return any(s.priority in self.protect for s in self.decoding())
 
-    def protected_decodes(self) -> int:
-        """Decodes a guarded step always carries (the others draw on the cap)."""
-        return sum(1 for s in self.decoding() if s.priority in self.protect)
-
     # -- planning ----------------------------------------------------------
     def plan(self, cap: int | None, bg_cap: int | None, background: bool = True,
              now: float | None = None) -> PlannedStep:
@@ -241,17 +236,17 @@ class Scheduler:
         `now` (the clock sequences' arrivals are on) ages foreground prompts held at cap 0;
         None: they are never held.
 
-        In a guarded step under a cap, an unprotected (background) decode is background
-        work like a prompt token, and costs about as much: it draws one token of the cap,
-        after the foreground prompts and before the background ones (it finishes a
-        document whose slot is then free). A cap of 0 keeps it waiting."""
+        A guarded step's cap of 0 keeps the unprotected (background) decodes waiting with
+        the background prompts: another sequence in a CPU step costs about a whole decode,
+        so they broke T in the steps the cap had kept free of prompt tokens. Under any
+        other cap they join (the policy plans for every decode: `decoding()`)."""
         decoding = self.decoding()
         prefilling = self._prefill_order()
         guarded = any(s.priority in self.protect for s in decoding)
         if not self.caps.multi_sequence:
             decoding, prefilling = self._time_slice(decoding, prefilling)
         held: list[Sequence] = []
-        if guarded and cap is not None and background:
+        if guarded and cap == 0 and background:  # background decodes wait with background prompts
             held = [s for s in decoding if s.priority not in self.protect]
             decoding = [s for s in decoding if s.priority in self.protect]
 
@@ -262,8 +257,6 @@ class Scheduler:
         fg_loading = any(s.priority == FOREGROUND for s in prefilling)
         counts = {FOREGROUND: 0, BACKGROUND: 0}
         for seq in prefilling:
-            if seq.priority == BACKGROUND and held:
-                room -= self._join_held(plan, held, room)
             if seq.priority == BACKGROUND and not background:
                 break  # prefilling is sorted foreground first
             limit = room
@@ -282,7 +275,6 @@ class Scheduler:
             plan.prefills.append(PrefillChunk(seq.slot, ids, start, start + n == seq.prompt_len))
             counts[seq.priority] += n
             room -= n
-        self._join_held(plan, held, room)  # if no background prompt came to take them in
         return PlannedStep(
             plan=plan,
             guarded=guarded,
@@ -300,14 +292,6 @@ class Scheduler:
     def _decode_item(self, s: Sequence) -> DecodeItem:
         # A token still in flight is fed from the device (pipelined engines).
         return DecodeItem(s.slot, PLACEHOLDER_TOKEN if s.in_flight else s.output_ids[-1], s.next_position + s.in_flight)
-
-    def _join_held(self, plan: StepPlan, held: list[Sequence], room: int) -> int:
-        """Moves held background decodes into the step while the cap has room (what stays
-        in `held` waits for a later step); returns how many joined."""
-        n = max(0, min(room, len(held)))
-        plan.decodes.extend(self._decode_item(s) for s in held[:n])
-        del held[:n]
-        return n
 
     def _prefill_order(self) -> list[Sequence]:
         loading = [s for s in self.running if s.status == Status.PREFILLING]

@@ -1,65 +1,91 @@
 """What a step costs, learned online from the guarded steps the controller observes.
 
-    L ~ a + (d - 1) * k + n * k
+    L ~ a + (m - 1) * s + (n - c) * t
 
-a: a guarded step with one decode that carries no prompt token, an
-exponentially weighted average of the decode-only steps, each less k per extra
-decode (on a 2-core CPU a second decode costs about as much as a prompt token:
-14 ms for one decode, 28 ms for two, measured on the default model; one base for
-every decode count mispredicted every step after the count changed; a base per
-decode count would go stale for the counts not seen while the device slows). k:
-the cost of one prompt token now, an exponentially weighted average of (L - a(d)) / n over
-the steps that carried n prompt tokens. k follows the prompt's position (a token
-deep in a long document attends over more cells) and a slower device (another
-process taking a core) within a few steps, because each observation measures it
-directly; a full least-squares fit of a, k and a position slope swung wildly
-whenever the cap sat still (a and k are then not separately identifiable), so
-the simpler estimator won. One sample may move k by at most a factor of 3: a
-single preempted step is the spread's business (the quantile setpoint), not the
-cost's. Until a decode-only step is seen, a is 0 and k is L / n: the paper's
-proportional law. Units: milliseconds and tokens.
+m sequences in the step (d decodes and c prompt chunks), n prompt tokens. a: a
+step with one decode and nothing else. s: one more sequence carrying one token
+(a second decode, or a prompt chunk's first token). t: one more token in a
+sequence that already has one. On a 2-core CPU a step pays about a whole pass
+per sequence (one decode 18 ms, two 35 ms, one decode plus a one-token chunk
+33 ms) and much less per further token of a chunk (8-10 ms), so s ~ 2t there;
+a model with one cost per token (s = t, the previous one) fitted to one-token
+chunks overpredicted larger chunks and held the cap at 2 where 4 fitted (the
+laptop job at T = 100 ms); fitted to larger chunks it underpredicted the
+one-token ones. On a GPU s ~ t ~ 0: the same model, other numbers.
+
+Each parameter is an exponentially weighted average of what the steps that
+measure it directly say, given the others: a from decode-only steps with one
+decode; s from steps whose extra sequences carry one token each (decode-only
+steps with more decodes, one-token chunks); t from steps with longer chunks.
+Each follows the prompt's position (a token deep in a long document attends over
+more cells) and a slower device within a few steps. Until s is measured it is
+taken to equal t (the per-token law). A full least-squares fit of such terms
+swung wildly whenever the cap sat still (they are then not separately
+identifiable); here a parameter that the steps stop measuring just keeps its
+last value, and the one that is measured absorbs the difference at the cap in
+use. One sample may move s or t by at most a factor of 3: a single preempted
+step is the spread's business (the quantile setpoint), not the cost's. Until a
+decode-only step is seen, a is 0 and t is L / n: the paper's proportional law.
+Units: milliseconds and tokens.
 """
 from __future__ import annotations
 
-CLIP = 3.0  # one sample moves k toward at most CLIP times (or 1/CLIP of) its current value
-MIN_SHARE = 0.1  # (L - a) is taken as at least this share of L: a noisy base never makes k <= 0
+CLIP = 3.0  # one sample moves s or t toward at most CLIP times (or 1/CLIP of) its current value
+MIN_SHARE = 0.1  # (L - a) is taken as at least this share of L: a noisy base never makes a cost <= 0
 
 
 class StepCostModel:
     def __init__(self, forgetting: float = 0.95):
         self.keep = forgetting  # share of the old estimate an observation keeps
-        self.base_ms: float | None = None  # decode-only step time with one decode
-        self.token_ms: float | None = None
+        self.base_ms: float | None = None  # a: decode-only step time with one decode
+        self.seq_ms: float | None = None  # s: one more sequence with one token (None: as t)
+        self.token_ms: float | None = None  # t: one more token in a sequence
         self.n_obs = 0
         self.decodes = 1  # the decode count of the latest step: the default for predictions
 
-    def update(self, latency_ms: float, n: int, n_decode: int | None = None) -> None:
+    def update(self, latency_ms: float, n: int, n_decode: int | None = None, n_chunks: int | None = None) -> None:
         self.n_obs += 1
         d = self.decodes = self.decodes if n_decode is None else n_decode
-        if n <= 0:
-            one = max(latency_ms - (d - 1) * (self.token_ms or 0.0), MIN_SHARE * latency_ms)
-            self.base_ms = one if self.base_ms is None else self._mix(self.base_ms, one)
+        c = (1 if n > 0 else 0) if n_chunks is None else min(n_chunks, n)
+        if n <= 0 and d <= 1:
+            self.base_ms = latency_ms if self.base_ms is None else self._mix(self.base_ms, latency_ms)
             return
-        sample = max(latency_ms - (self.base(d) or 0.0), MIN_SHARE * latency_ms) / n
-        if self.token_ms is None:
-            self.token_ms = sample
-        else:
-            sample = min(CLIP * self.token_ms, max(self.token_ms / CLIP, sample))
-            self.token_ms = self._mix(self.token_ms, sample)
+        if self.base_ms is None:  # no base yet: every extra is taken as one token's cost
+            if n > 0:
+                self.token_ms = self._clipped(self.token_ms, max(latency_ms, 0.0) / n)
+            return
+        extra_seqs = d - 1 + c
+        rest = max(latency_ms - self.base_ms, MIN_SHARE * latency_ms)
+        if n == c:  # every extra sequence carries one token: this step measures s
+            self.seq_ms = self._clipped(self.seq_ms if self.seq_ms is not None else self.token_ms,
+                                        rest / extra_seqs)
+            return
+        sample = max(rest - extra_seqs * self.seq(), MIN_SHARE * latency_ms) / (n - c)
+        self.token_ms = self._clipped(self.token_ms, sample)
+
+    def seq(self) -> float:
+        """s, as t until measured (0 before anything is)."""
+        if self.seq_ms is not None:
+            return self.seq_ms
+        return self.token_ms or 0.0
 
     def base(self, n_decode: int | None = None) -> float | None:
         """Decode-only step time with `n_decode` decodes (None: none seen yet)."""
         d = self.decodes if n_decode is None else n_decode
         if self.base_ms is None:
             return None
-        return max(0.0, self.base_ms + (d - 1) * (self.token_ms or 0.0))
+        return max(0.0, self.base_ms + (d - 1) * self.seq())
 
     def scale(self, factor: float) -> None:
         """Every cost times `factor` (the device got that much slower); the rest is kept."""
-        if self.base_ms is not None:
-            self.base_ms *= factor
-        if self.token_ms is not None:
-            self.token_ms *= factor
+        for name in ("base_ms", "seq_ms", "token_ms"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name) * factor)
+
+    def _clipped(self, old: float | None, sample: float) -> float:
+        if old is None:
+            return sample
+        return self._mix(old, min(CLIP * old, max(old / CLIP, sample)))
 
     def _mix(self, old: float, new: float) -> float:
         return self.keep * old + (1 - self.keep) * new
@@ -69,14 +95,20 @@ class StepCostModel:
         return self.token_ms is not None
 
     def predict(self, n: int, n_decode: int | None = None) -> float | None:
+        """A step with `n` prompt tokens in one chunk beside `n_decode` decodes."""
         base = self.base(n_decode)
         if n > 0 and self.token_ms is None:
             return None
         if n == 0 and base is None:
             return None
-        return (base or 0.0) + n * (self.token_ms or 0.0)
+        return (base or 0.0) + (self.seq() + (n - 1) * self.token_ms if n > 0 else 0.0)
 
     def tokens_within(self, budget_ms: float) -> float:
-        """How many prompt tokens fit in a step of `budget_ms` beside `decodes` decodes (may be negative)."""
+        """How many prompt tokens (one chunk) fit in a step of `budget_ms` beside `decodes`
+        decodes; below 1 (possibly negative) when not even one does."""
         assert self.token_ms is not None, "no capped step observed yet"
-        return (budget_ms - (self.base() or 0.0)) / self.token_ms
+        room = budget_ms - (self.base() or 0.0)
+        first = self.seq()
+        if room < first:
+            return room / max(first, 1e-9)
+        return 1.0 + (room - first) / max(self.token_ms, 1e-9)

@@ -91,7 +91,7 @@ def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: i
             add(FOREGROUND, CHAT_PROMPT, CHAT_OUT, next_turn)
             turn, next_turn = turn + 1, None
         sched.admit()
-        cap = obs.begin(sched.guarded(), sched.protected_decodes())
+        cap = obs.begin(sched.guarded(), len(sched.decoding()))
         step = sched.plan(cap, obs.budget_cap(), now=t)
         obs.scheduled(len(steps), step.guarded, step.cap, step_shape(step.plan),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, n_decode_held=step.n_decode_held)

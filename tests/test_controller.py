@@ -394,3 +394,32 @@ def test_a_new_decode_count_does_not_undo_the_miss_reflex():
     assert c.cap(2) <= cut  # one decode more: replanned, but not above the reflex's cut
     c.observe((24.0 + 10.0 * cut) / 1e3, cap=cut, shape=StepShape(2, cut, 0, 0))
     assert c.cap(2) > cut  # the next step met T: the model's plan again
+
+
+def pass_per_sequence_ms(n: int, decodes: int = 1) -> float:
+    """A CPU step that pays a pass per sequence (measured on the default model: one decode
+    18 ms, two 35 ms, one decode plus a one-token chunk 33 ms) and 8 ms per further token."""
+    return 18.0 + 16.0 * (decodes - 1 + (n > 0)) + 8.0 * max(0, n - 1)
+
+
+def test_tail_learns_that_a_chunk_pays_a_pass_then_less_per_token():
+    """Steps with one-token chunks (a waiting chat's prompt, probes) among steps at the cap:
+    one cost per token, fitted to both, overpredicts the cap's steps and plans too few
+    tokens (7 instead of 9 here); the pass-per-sequence model learns both costs, and
+    plans a second decode as the pass it costs."""
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    caps = []
+    for k in range(400):
+        decodes = 2 if k % 11 == 10 else 1
+        cap = c.cap(decodes)
+        n = 0 if k % 5 == 4 else (1 if k % 3 == 0 else cap)
+        shape = StepShape(decodes, n, 0, 0, n_chunks=1 if n else 0)
+        c.observe(pass_per_sequence_ms(n, decodes) / 1e3, cap=cap, shape=shape)
+        caps.append((decodes, cap))
+    m = c.model
+    assert m.base_ms == pytest.approx(18.0, rel=0.02) and m.seq_ms == pytest.approx(16.0, rel=0.05)
+    assert m.token_ms == pytest.approx(8.0, rel=0.05)
+    setpoint = 100.0 / c.spread()
+    best = {d: max(n for n in range(1, 64) if pass_per_sequence_ms(n, d) <= setpoint) for d in (1, 2)}
+    assert best == {1: 9, 2: 7}
+    assert all(cap == best[d] for d, cap in caps[-100:])
