@@ -1,6 +1,7 @@
 """SIMULATED backend: a latency model, for fast deterministic controller studies.
 
-It runs no model. Step time follows a linear cost model and is spent on a virtual
+It runs no model. Step time follows a linear cost model (a base, a cost per decode,
+per prompt chunk and per prompt token, and attention that grows with depth) and is spent on a virtual
 clock (or slept, with `sleep=True`). Its numbers are never a measurement of a
 device; every trace it produces says `simulated`.
 
@@ -27,6 +28,7 @@ class SimCost:
     base_s: float = 0.004  # fixed cost of any step
     decode_s: float = 0.010  # per decoding sequence
     prefill_token_s: float = 0.008  # per prompt token
+    chunk_s: float = 0.0  # per prompt chunk: a sequence more in the step (a pass on a CPU)
     attention_s: float = 2e-6  # per prompt token per position already cached (grows with depth)
 
 
@@ -48,7 +50,9 @@ class ReplayNoise:
 
 
 def replay_noise(path: str | Path, attention_s: float = 0.0) -> ReplayNoise:
-    """Fit base + per-decode + per-prompt-token cost to a recorded steps-*.jsonl.
+    """Fit base + per-decode + per-prompt-chunk + per-prompt-token cost to a recorded
+    steps-*.jsonl (a chunk is counted per class that carried prompt tokens: the trace
+    does not say how many sequences they came from).
 
     The trace has no positions, so the fit averages the position cost into the
     per-token cost; `attention_s` (per prompt token per cached position) adds it
@@ -58,14 +62,15 @@ def replay_noise(path: str | Path, attention_s: float = 0.0) -> ReplayNoise:
     rows = [r for r in rows if r.get("duration_s", 0) > 0]
     if len(rows) < 16:
         raise ValueError(f"{path}: {len(rows)} timed steps; a replay needs at least 16")
-    x = np.array([[1.0, r["n_decode"], r["n_prefill_fg"] + r["n_prefill_bg"]] for r in rows])
+    x = np.array([[1.0, r["n_decode"], r["n_prefill_fg"] + r["n_prefill_bg"],
+                   (r["n_prefill_fg"] > 0) + (r["n_prefill_bg"] > 0)] for r in rows])
     y = np.array([r["duration_s"] for r in rows])
     # Relative least squares: the ratios, not seconds, are what gets replayed.
     w = 1.0 / y
     coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
     coef = np.maximum(coef, 1e-5)
     fit = SimCost(base_s=float(coef[0]), decode_s=float(coef[1]), prefill_token_s=float(coef[2]),
-                  attention_s=attention_s)
+                  chunk_s=float(coef[3]), attention_s=attention_s)
     ratios = (y / (x @ coef)).tolist()
     return ReplayNoise(ratios, source=str(path), fitted=fit)
 
@@ -121,7 +126,8 @@ class SimBackend(Backend):
         """The model's step time, times the cost factor and the replayed noise of this step."""
         c = self.cost
         attention = sum(len(p.token_ids) * (p.start + len(p.token_ids) / 2) for p in plan.prefills)
-        d = c.base_s + c.decode_s * plan.n_decode + c.prefill_token_s * plan.n_prefill + c.attention_s * attention
+        d = (c.base_s + c.decode_s * plan.n_decode + c.chunk_s * len(plan.prefills)
+             + c.prefill_token_s * plan.n_prefill + c.attention_s * attention)
         noise = self.noise.at(self.steps_run) if self.noise is not None else 1.0
         return d * self.cost_factor * noise
 

@@ -54,7 +54,10 @@ class StepCostModel:
             if n > 0:
                 self.token_ms = self._clipped(self.token_ms, max(latency_ms, 0.0) / n)
             return
-        extra_seqs = d - 1 + c
+        extra_seqs = d - 1 + c  # 0 for one chunk with no decode beside it: its first token is the base
+        if extra_seqs <= 0 and n == c:  # one sequence with one token: a decode-only step's shape
+            self.base_ms = self._mix(self.base_ms, latency_ms)
+            return
         rest = max(latency_ms - self.base_ms, MIN_SHARE * latency_ms)
         if n == c:  # every extra sequence carries one token: this step measures s
             self.seq_ms = self._clipped(self.seq_ms if self.seq_ms is not None else self.token_ms,

@@ -423,3 +423,15 @@ def test_tail_learns_that_a_chunk_pays_a_pass_then_less_per_token():
     best = {d: max(n for n in range(1, 64) if pass_per_sequence_ms(n, d) <= setpoint) for d in (1, 2)}
     assert best == {1: 9, 2: 7}
     assert all(cap == best[d] for d, cap in caps[-100:])
+
+
+def test_step_cost_of_chunks_with_no_decode_beside_them():
+    """The preemption budget's policy sees background chunks alone (no decode): a one-token
+    chunk is then the base's shape, and a longer one measures the per-token cost."""
+    from dlfp.stepcost import StepCostModel
+    m = StepCostModel(0.5)
+    m.update(18.0, 0, 1)  # a base from a decode-only step
+    for _ in range(20):
+        m.update(18.0, 1, 0, 1)  # one token alone
+        m.update(18.0 + 31 * 8.0, 32, 0, 1)
+    assert m.base_ms == pytest.approx(18.0) and m.token_ms == pytest.approx(8.0, rel=0.01)
