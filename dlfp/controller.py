@@ -326,6 +326,7 @@ class TailDLFP(PrefillPolicy):
         n = shape.n_prefill if shape is not None else ran_with
         if latency_s <= 0 or n < 0:
             return  # nothing to learn from
+        self._reflex = None  # this observation replaces any earlier cut
         latency_ms = latency_s * 1e3
         decodes = shape.n_decode if shape is not None and shape.n_decode > 0 else None
         predicted = self.model.predict(n, decodes)
@@ -335,7 +336,6 @@ class TailDLFP(PrefillPolicy):
         if 0 < n <= p.minimum and predicted:
             self._min_ratios.append(latency_ms / predicted)
         if n == 0:  # a decode-only guarded step: the base moved, so may the cap
-            self._reflex = None
             if self.model.ready and (self._cap == 0 or ran_with == 0):
                 self._cap = self._planned()
             return
@@ -343,7 +343,6 @@ class TailDLFP(PrefillPolicy):
         self._misses_at_min = self._misses_at_min + 1 if n <= p.minimum and missed else 0
         setpoint_ms = self.setpoint_s() * 1e3
         new = self._planned(setpoint_ms)
-        self._reflex = None
         if missed:  # reflex: equation (2) on the tokens the step carried
             new = min(new, math.floor(n * p.target_s / latency_s / p.quantum) * p.quantum)
             if new < p.minimum:
@@ -413,7 +412,6 @@ class TailDLFP(PrefillPolicy):
         self._ratios.clear()
         self._min_ratios.clear()
         self._misses_at_min = 0
-        self._reflex = None
         self.reset()
 
     @property

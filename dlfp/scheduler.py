@@ -245,12 +245,16 @@ class Scheduler:
         guarded = any(s.priority in self.protect for s in decoding)
         if not self.caps.multi_sequence:
             decoding, prefilling = self._time_slice(decoding, prefilling)
-        held: list[Sequence] = []
+        n_held = 0
         if guarded and cap == 0 and background:  # background decodes wait with background prompts
-            held = [s for s in decoding if s.priority not in self.protect]
-            decoding = [s for s in decoding if s.priority in self.protect]
+            protected = [s for s in decoding if s.priority in self.protect]
+            n_held, decoding = len(decoding) - len(protected), protected
 
-        plan = StepPlan(decodes=[self._decode_item(s) for s in decoding])
+        # A token still in flight is fed from the device (pipelined engines).
+        plan = StepPlan(decodes=[
+            DecodeItem(s.slot, PLACEHOLDER_TOKEN if s.in_flight else s.output_ids[-1], s.next_position + s.in_flight)
+            for s in decoding
+        ])
         room = self.caps.max_batch_tokens - plan.n_decode
         if guarded and cap is not None:
             room = min(room, cap)
@@ -283,15 +287,11 @@ class Scheduler:
             n_prefill_fg=counts[FOREGROUND],
             n_prefill_bg=counts[BACKGROUND],
             seqs={s.slot: s for s in self.running},
-            n_decode_held=len(held),
+            n_decode_held=n_held,
         )
 
     def _starving(self, seq: Sequence, now: float | None) -> bool:
         return now is None or self.fg_starvation_s is None or now - seq.arrival_s >= self.fg_starvation_s
-
-    def _decode_item(self, s: Sequence) -> DecodeItem:
-        # A token still in flight is fed from the device (pipelined engines).
-        return DecodeItem(s.slot, PLACEHOLDER_TOKEN if s.in_flight else s.output_ids[-1], s.next_position + s.in_flight)
 
     def _prefill_order(self) -> list[Sequence]:
         loading = [s for s in self.running if s.status == Status.PREFILLING]
