@@ -287,7 +287,10 @@ class TailDLFP(PrefillPolicy):
     the measured time, is kept: the model follows a device that slows down, so an
     old ratio stays true where an old time would not. The decode-only steps
     observed meanwhile keep the base cost current, so the cap returns when the device is free again; one guarded step
-    in `probe_every` carries the minimum chunk in case the per-token cost moved.
+    in `probe_every` carries the minimum chunk in case the per-token cost moved,
+    where the model says that step may meet T (else at the next step that may).
+    Before a prompt token is measured, the decode-only steps size the first chunk
+    (dlfp/stepcost.py's prior), never above `initial`.
     """
 
     source = COMPLETION
@@ -302,23 +305,43 @@ class TailDLFP(PrefillPolicy):
         self._asked_at_zero = 0
         self._min_ratios: deque[float] = deque(maxlen=MIN_CHUNK_MEMORY)
         self._reflex: int | None = None  # the miss reflex's cut, in force until the next observation
+        self._probe_skipped = False  # a due probe was not run: the model says the minimum misses T
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
     def cap(self, n_decode: int | None = None) -> int | None:
         if n_decode and n_decode != self.model.decodes:
             self.model.decodes = n_decode  # the step's decodes cost too: plan for this many
-            if self.model.ready:
+            if self.model.plannable:
                 # Replanned for the new count, but not above the cut the last miss made:
                 # that cut holds until the next observation.
                 planned = self._planned()
                 self._cap = planned if self._reflex is None else min(planned, self._reflex)
         if self._cap > 0:
+            self._probe_skipped = False
             return self._cap
         self._asked_at_zero += 1
-        if self._asked_at_zero % self.params.probe_every == 0:
-            return self.params.minimum  # a probe: does the minimum chunk fit again?
+        if self._asked_at_zero >= self.params.probe_every:  # a probe is due
+            if self._probe_may_meet_target():
+                self._asked_at_zero = 0
+                self._probe_skipped = False
+                return self.params.minimum  # a probe: does the minimum chunk fit again?
+            self._probe_skipped = True  # kept due: the next step that may meet T runs it
         self.zero_steps += 1
         return 0
+
+    def _probe_may_meet_target(self) -> bool:
+        """A probe is a step the setpoint says no to; skip it where it would surely miss T:
+        the model, with a pass per sequence measured within the last `probe_every`
+        observations, predicts the minimum chunk's step above T. Beside two decodes at
+        T = 50 ms (42 ms alone, 61-68 ms with one prompt token) every probe missed; the
+        decode-only steps with two decodes keep s measured there. Where s is stale (or was
+        never measured) the probe runs: refreshing it is what probes are for, and a stale
+        cost must not keep background out for good (after a noisy neighbour leaves)."""
+        age = self.model.seq_age()
+        if age is None or age >= self.params.probe_every:
+            return True
+        expected = self.model.predict(self.params.minimum)
+        return expected is None or expected <= self.params.target_s * 1e3
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         p = self.params
@@ -329,14 +352,15 @@ class TailDLFP(PrefillPolicy):
         self._reflex = None  # this observation replaces any earlier cut
         latency_ms = latency_s * 1e3
         decodes = shape.n_decode if shape is not None and shape.n_decode > 0 else None
-        predicted = self.model.predict(n, decodes)
+        # A ratio to the prior (no prompt token measured yet) says nothing about the model's spread.
+        predicted = self.model.predict(n, decodes) if self.model.ready or n == 0 else None
         if predicted and self.model.n_obs >= WARMUP_OBSERVATIONS:
             self._ratios.append(latency_ms / predicted)
         self.model.update(latency_ms, n, decodes, shape.n_chunks if shape is not None else None)
         if 0 < n <= p.minimum and predicted:
             self._min_ratios.append(latency_ms / predicted)
         if n == 0:  # a decode-only guarded step: the base moved, so may the cap
-            if self.model.ready and (self._cap == 0 or ran_with == 0):
+            if self.model.plannable and (not self.model.ready or self._cap == 0 or ran_with == 0):
                 self._cap = self._planned()
             return
         missed = latency_s > p.target_s
@@ -368,13 +392,16 @@ class TailDLFP(PrefillPolicy):
     def _planned(self, setpoint_ms: float | None = None) -> int:
         """Tokens the model fits under the setpoint, floored to the quantum and clamped."""
         p = self.params
-        if not self.model.ready:
+        if not self.model.plannable:
             return p.initial
         setpoint_ms = self.setpoint_s() * 1e3 if setpoint_ms is None else setpoint_ms
         room = self.model.tokens_within(setpoint_ms)
         if room < p.minimum:
             return 0 if self._hold_out(setpoint_ms) else p.minimum
-        return max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
+        planned = max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
+        # From the prior (no prompt token measured): at most `initial`, which may be sized
+        # for the device (the prior errs far small on a GPU).
+        return planned if self.model.ready else min(planned, p.initial)
 
     def _hold_out(self, setpoint_ms: float) -> bool:
         """Keep background prefill out of guarded steps: allowed, past the warm-up, and the
@@ -416,7 +443,9 @@ class TailDLFP(PrefillPolicy):
 
     @property
     def target_unreachable(self) -> bool:
-        return self._misses_at_min >= UNREACHABLE_AFTER
+        # Measured (the minimum chunk missed T that often in a row) or predicted (a due probe
+        # was not run because the model says it would miss T).
+        return self._misses_at_min >= UNREACHABLE_AFTER or self._probe_skipped
 
     def state(self) -> dict:
         """What the controller has learned (for traces and the study)."""

@@ -520,5 +520,6 @@ def _unreachable_note(policy: PrefillPolicy) -> str:
     target = policy.describe().get("target_ms")
     return (
         f"ITL target {target:.0f} ms is unreachable on this device: even the minimum "
-        f"prefill cap misses it (the decode step alone may be slower); the cap stays at its minimum"
+        f"prefill cap misses it (the decode step alone may be slower); guarded steps carry "
+        f"at most the minimum chunk, or none where the policy may hold background prefill out"
     )

@@ -26,6 +26,12 @@ last value, and the one that is measured absorbs the difference at the cap in
 use. One sample may move s or t by at most a factor of 3: a single preempted
 step is the spread's business (the quantile setpoint), not the cost's. Until a
 decode-only step is seen, a is 0 and t is L / n: the paper's proportional law.
+
+Before any prompt token is measured, predictions take a pass and a token to cost
+a decode-only step each (s = t = a: the dearest a token was seen to cost on a
+CPU; on a GPU far above it, so the first guarded chunk errs small). The first
+guarded chunk used to run at the profile's `initial` cap blind: 4 tokens beside
+a decode took 61-73 ms at T = 50 ms, once a run, in every trial.
 Units: milliseconds and tokens.
 """
 from __future__ import annotations
@@ -41,6 +47,7 @@ class StepCostModel:
         self.seq_ms: float | None = None  # s: one more sequence with one token (None: as t)
         self.token_ms: float | None = None  # t: one more token in a sequence
         self.n_obs = 0
+        self.seq_measured_at: int | None = None  # n_obs when s was last measured
         self.decodes = 1  # the decode count of the latest step: the default for predictions
 
     def update(self, latency_ms: float, n: int, n_decode: int | None = None, n_chunks: int | None = None) -> None:
@@ -60,6 +67,7 @@ class StepCostModel:
             return
         rest = max(latency_ms - self.base_ms, MIN_SHARE * latency_ms)
         if n == c:  # every extra sequence carries one token: this step measures s
+            self.seq_measured_at = self.n_obs
             self.seq_ms = self._clipped(self.seq_ms if self.seq_ms is not None else self.token_ms,
                                         rest / extra_seqs)
             return
@@ -67,17 +75,31 @@ class StepCostModel:
         self.token_ms = self._clipped(self.token_ms, sample)
 
     def seq(self) -> float:
-        """s, as t until measured (0 before anything is)."""
+        """s as measured, as t until measured (0 before anything is): what updates use."""
         if self.seq_ms is not None:
             return self.seq_ms
         return self.token_ms or 0.0
+
+    def seq_age(self) -> int | None:
+        """Observations since s was last measured (None: never)."""
+        return None if self.seq_measured_at is None else self.n_obs - self.seq_measured_at
+
+    def _pass(self) -> float:
+        """s for predictions: as measured, else the prior (a decode-only step)."""
+        if self.seq_ms is None and self.token_ms is None:
+            return self.base_ms or 0.0
+        return self.seq()
+
+    def _token(self) -> float:
+        """t for predictions: as measured, else as s."""
+        return self._pass() if self.token_ms is None else self.token_ms
 
     def base(self, n_decode: int | None = None) -> float | None:
         """Decode-only step time with `n_decode` decodes (None: none seen yet)."""
         d = self.decodes if n_decode is None else n_decode
         if self.base_ms is None:
             return None
-        return max(0.0, self.base_ms + (d - 1) * self.seq())
+        return max(0.0, self.base_ms + (d - 1) * self._pass())
 
     def scale(self, factor: float) -> None:
         """Every cost times `factor` (the device got that much slower); the rest is kept."""
@@ -95,23 +117,27 @@ class StepCostModel:
 
     @property
     def ready(self) -> bool:
+        """A prompt token's cost has been measured."""
         return self.token_ms is not None
+
+    @property
+    def plannable(self) -> bool:
+        """Measured, or a decode-only step seen (the prior)."""
+        return self.token_ms is not None or self.base_ms is not None
 
     def predict(self, n: int, n_decode: int | None = None) -> float | None:
         """A step with `n` prompt tokens in one chunk beside `n_decode` decodes."""
         base = self.base(n_decode)
-        if n > 0 and self.token_ms is None:
+        if not self.plannable or (n == 0 and base is None):
             return None
-        if n == 0 and base is None:
-            return None
-        return (base or 0.0) + (self.seq() + (n - 1) * self.token_ms if n > 0 else 0.0)
+        return (base or 0.0) + (self._pass() + (n - 1) * self._token() if n > 0 else 0.0)
 
     def tokens_within(self, budget_ms: float) -> float:
         """How many prompt tokens (one chunk) fit in a step of `budget_ms` beside `decodes`
         decodes; below 1 (possibly negative) when not even one does."""
-        assert self.token_ms is not None, "no capped step observed yet"
+        assert self.plannable, "no guarded step observed yet"
         room = budget_ms - (self.base() or 0.0)
-        first = self.seq()
+        first = self._pass()
         if room < first:
             return room / max(first, 1e-9)
-        return 1.0 + (room - first) / max(self.token_ms, 1e-9)
+        return 1.0 + (room - first) / max(self._token(), 1e-9)

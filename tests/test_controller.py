@@ -9,6 +9,7 @@ from dlfp.controller import (
     COMPLETION,
     DLFP,
     UNREACHABLE_AFTER,
+    WARMUP_OBSERVATIONS,
     DLFPParams,
     FixedCap,
     StepShape,
@@ -259,9 +260,49 @@ def test_tail_holds_background_out_when_even_the_minimum_breaks_the_target_and_p
         caps.append(cap)
         c.observe((90 + 30 * cap) / 1e3, cap=cap, shape=StepShape(1, cap, 0, 0))
     assert caps[-100:].count(0) >= 90  # background kept out ...
-    assert 0 < caps[-100:].count(1) <= 100 // c.params.probe_every + 1  # ... but probed
+    # ... but probed (nothing else measures a pass here, so the cost it predicts from is stale)
+    assert 0 < caps[-100:].count(1) <= 100 // c.params.probe_every + 1
     assert c.zero_steps >= 90
     assert c.target_unreachable  # every probe at the minimum missed
+
+
+def test_tail_probes_where_the_minimum_breaks_the_setpoint_but_may_meet_the_target():
+    # Decode 60 ms, a prompt token 30 ms (90 ms together); one step in four is 25% slower,
+    # so the setpoint sits near 80 ms: the minimum chunk is held out, yet may meet T, so probed.
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    caps = []
+    for k in range(400):
+        cap = c.cap()
+        caps.append(cap)
+        c.observe((60 + 30 * cap) * (1.25 if k % 4 == 3 else 1.0) / 1e3, cap=cap, shape=StepShape(1, cap, 0, 0))
+    assert c.setpoint_s() < 0.090
+    assert caps[-200:].count(0) >= 190  # background kept out ...
+    assert 0 < caps[-200:].count(1) <= 200 // c.params.probe_every + 1  # ... but probed
+    # Not beside a second decode, where the decode-only steps (90 ms: a pass costs 30) say the
+    # minimum chunk's step (120 ms) would miss T: no probe, and the target is said unreachable.
+    for _ in range(2 * c.params.probe_every):
+        assert c.cap(n_decode=2) == 0
+        c.observe(0.090, cap=0, shape=StepShape(2, 0, 0, 0))
+    assert c.target_unreachable
+    assert c.cap(n_decode=1) == 1  # the due probe runs at the next step that may meet T
+    assert not c.target_unreachable
+
+
+def test_tail_sizes_the_first_guarded_chunk_from_the_decode_only_steps():
+    # Decode 20 ms: before any prompt token is measured, a pass and a token are taken to cost a
+    # decode each. At T = 100 ms (setpoint 67 at the prior spread) that is 2 tokens, not `initial`
+    # 4; at T = 50 ms (setpoint 33) not even one: the chunk waits (cap 0) instead of a blind 4.
+    for target_s, first in ((0.100, 2), (0.050, 0)):
+        c = TailDLFP(DLFPParams(target_s, 4, 1, 256, 1, zero_cap=True))
+        for _ in range(WARMUP_OBSERVATIONS):
+            cap = c.cap()
+            assert cap in (4, 1, first)  # the profile's 4 until a decode-only step; 1 in the warm-up
+            c.observe(0.020, cap=cap, shape=StepShape(1, 0, 0, 0))
+        assert c.cap() == first
+    # Never above `initial`: the prior is far above a GPU's token cost, but may be below it.
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    c.observe(0.002, cap=4, shape=StepShape(1, 0, 0, 0))
+    assert c.cap() == 4
 
 
 def test_tail_unreachable_flagged_without_zero_cap():
