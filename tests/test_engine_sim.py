@@ -207,9 +207,11 @@ def test_cost_doubling_mid_run_the_tail_cap_follows():
             backend.cost_factor = 2.0
 
     engine.step_hooks.append(shift)
-    engine.start()
+    # Submitted before the engine starts: submitted after, the background prompts could be
+    # prefilled alone before the chat arrived (the thread's timing), leaving no guarded step.
     handles = [engine.submit(Request([1 + k % 997 for k in range(1500)], 4, BACKGROUND, request_id=f"bg{i}")) for i in range(3)]
     handles.append(engine.submit(Request(list(range(3, 40)), 400, FOREGROUND, ignore_eos=True, request_id="fg")))
+    engine.start()
     for h in handles:
         assert h.result(timeout=120).ok
     engine.shutdown(abort_pending=False)
