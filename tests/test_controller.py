@@ -187,6 +187,17 @@ def quantile(values, q):
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
+def drive_steps(policy, steps: int, latency_ms) -> list:
+    """Run `steps` guarded steps with one decode, each step's time `latency_ms(k, cap)`;
+    returns the caps asked."""
+    caps = []
+    for k in range(steps):
+        cap = policy.cap()
+        caps.append(cap)
+        policy.observe(latency_ms(k, cap) / 1e3, cap=cap, shape=StepShape(1, cap, 0, 0))
+    return caps
+
+
 def best_cap(target_ms: float, pos: float, spread: float = 1.0) -> int:
     """The largest cap whose step meets the target at the given spread."""
     return max(n for n in range(0, 257) if cost_ms(n, pos) * spread <= target_ms)
@@ -254,11 +265,7 @@ def test_tail_never_leaves_its_bounds():
 def test_tail_holds_background_out_when_even_the_minimum_breaks_the_target_and_probes():
     # The decode alone costs 90 ms, one prompt token 30 ms: even one token breaks 100 ms.
     c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
-    caps = []
-    for _ in range(200):
-        cap = c.cap()
-        caps.append(cap)
-        c.observe((90 + 30 * cap) / 1e3, cap=cap, shape=StepShape(1, cap, 0, 0))
+    caps = drive_steps(c, 200, lambda k, cap: 90 + 30 * cap)
     assert caps[-100:].count(0) >= 90  # background kept out ...
     # ... but probed (nothing else measures a pass here, so the cost it predicts from is stale)
     assert 0 < caps[-100:].count(1) <= 100 // c.params.probe_every + 1
@@ -270,11 +277,7 @@ def test_tail_probes_where_the_minimum_breaks_the_setpoint_but_may_meet_the_targ
     # Decode 60 ms, a prompt token 30 ms (90 ms together); one step in four is 25% slower,
     # so the setpoint sits near 80 ms: the minimum chunk is held out, yet may meet T, so probed.
     c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
-    caps = []
-    for k in range(400):
-        cap = c.cap()
-        caps.append(cap)
-        c.observe((60 + 30 * cap) * (1.25 if k % 4 == 3 else 1.0) / 1e3, cap=cap, shape=StepShape(1, cap, 0, 0))
+    caps = drive_steps(c, 400, lambda k, cap: (60 + 30 * cap) * (1.25 if k % 4 == 3 else 1.0))
     assert c.setpoint_s() < 0.090
     assert caps[-200:].count(0) >= 190  # background kept out ...
     assert 0 < caps[-200:].count(1) <= 200 // c.params.probe_every + 1  # ... but probed
@@ -307,9 +310,7 @@ def test_tail_sizes_the_first_guarded_chunk_from_the_decode_only_steps():
 
 def test_tail_unreachable_flagged_without_zero_cap():
     c = TailDLFP(DLFPParams(0.020, 64, 4, 512, 4, zero_cap=False))
-    for _ in range(50):
-        tokens = c.cap()
-        c.observe(0.030 + 0.001 * tokens, cap=tokens, shape=StepShape(1, tokens, 0, 0))
+    drive_steps(c, 50, lambda k, tokens: 30 + tokens)
     assert c.cap() == 4 and c.target_unreachable
 
 
