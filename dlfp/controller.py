@@ -48,6 +48,13 @@ class StepShape:
     prefill_position_sum: int = 0  # sum over prompt tokens of their positions
     decode_position_sum: int = 0  # sum over decode tokens of their positions
     n_chunks: int | None = None  # prompt chunks (sequences carrying prompt tokens); None: unknown
+    n_protected: int | None = None  # of n_decode, protected (foreground) decodes; None: all of them
+
+    @property
+    def itls(self) -> int:
+        """Foreground inter-token gaps the step ends: one per protected decode (at least one,
+        so a step whose decodes are unknown still counts once)."""
+        return max(1, self.n_decode if self.n_protected is None else self.n_protected)
 
     @property
     def mean_prefill_position(self) -> float:
@@ -135,7 +142,7 @@ class DLFPParams:
     max_growth: float | None = None
     # TailDLFP only (the paper's law ignores these):
     quantile: float = 0.99  # step-time quantile aimed at the target
-    window: int = 128  # recent capped steps whose spread sizes the setpoint
+    window: int = 128  # recent guarded steps whose spread (weighted by their foreground ITLs) sizes the setpoint
     forgetting: float = 0.9  # share of the cost estimate an observation keeps (memory ~1/(1-f) steps)
     prior_spread: float = 1.5  # assumed quantile/mean ratio until the window has data
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
@@ -264,14 +271,27 @@ MIN_RATIOS = 32  # residuals needed before the observed spread replaces the prio
 MAX_SPREAD = 8.0
 
 
+def weighted_quantile(samples, q: float) -> float:
+    """The smallest value whose weight, with every smaller value's, reaches q of the total:
+    `samples` as (value, weight). Equal weights give the order statistic ceil(q*n)."""
+    ordered = sorted(samples)
+    need, seen = q * sum(w for _, w in ordered), 0.0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= need - 1e-9:
+            return value
+    return ordered[-1][0]
+
+
 class TailDLFP(PrefillPolicy):
     """Tail-aware DLFP: hold a quantile of the guarded steps at the target.
 
     Each observed guarded step teaches a cost model (dlfp/stepcost.py: the
     decode-only cost plus a cost per prompt token) and leaves the ratio of its
-    time to what the model predicted. The setpoint is T divided by the
-    `quantile` of the recent ratios, so the step times' spread, not their mean,
-    is what meets T. The cap is the number of prompt tokens the model fits under
+    time to what the model predicted, weighted by the foreground ITLs the step
+    ends (a step with two chats streaming is two of the user's ITLs). The setpoint is T
+    divided by the `quantile` of the recent ratios, so the ITLs' spread, not
+    their mean, is what meets T. The cap is the number of prompt tokens the model fits under
     the setpoint, at once, with no climb: what was learned survives `reset()`,
     so each foreground turn starts at the right cap. A step that misses T also
     shrinks the cap by equation (2) at once.
@@ -299,7 +319,7 @@ class TailDLFP(PrefillPolicy):
         self.params = params
         self.name = name
         self.model = StepCostModel(params.forgetting)
-        self._ratios: deque[float] = deque(maxlen=params.window)
+        self._ratios: deque[tuple[float, int]] = deque(maxlen=params.window)  # (ratio, ITLs)
         self._cap = params.initial
         self._misses_at_min = 0
         self._asked_at_zero = 0
@@ -355,7 +375,9 @@ class TailDLFP(PrefillPolicy):
         # A ratio to the prior (no prompt token measured yet) says nothing about the model's spread.
         predicted = self.model.predict(n, decodes) if self.model.ready or n == 0 else None
         if predicted and self.model.n_obs >= WARMUP_OBSERVATIONS:
-            self._ratios.append(latency_ms / predicted)
+            # Weighted by the foreground ITLs the step ends: the user's P99 is over ITLs, and a
+            # step with two chats streaming is two of them (a quantile over steps counted it once).
+            self._ratios.append((latency_ms / predicted, shape.itls if shape is not None else 1))
         self.model.update(latency_ms, n, decodes, shape.n_chunks if shape is not None else None)
         if 0 < n <= p.minimum and predicted:
             self._min_ratios.append(latency_ms / predicted)
@@ -382,9 +404,7 @@ class TailDLFP(PrefillPolicy):
         p = self.params
         if len(self._ratios) < MIN_RATIOS:
             return p.prior_spread
-        ordered = sorted(self._ratios)
-        q = ordered[min(len(ordered) - 1, math.ceil(p.quantile * len(ordered)) - 1)]
-        return min(MAX_SPREAD, max(1.0, q))
+        return min(MAX_SPREAD, max(1.0, weighted_quantile(self._ratios, p.quantile)))
 
     def setpoint_s(self) -> float:
         return self.params.target_s / self.spread()

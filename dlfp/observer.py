@@ -180,12 +180,15 @@ class StepObserver:
         )
 
 
-def step_shape(plan) -> StepShape:
-    """The shape of a backend StepPlan (its decodes' positions and its prompt chunks)."""
-    return plan_shape([d.position for d in plan.decodes], [(c.start, len(c.token_ids)) for c in plan.prefills])
+def step_shape(plan, n_protected: int | None = None) -> StepShape:
+    """The shape of a backend StepPlan (its decodes' positions and its prompt chunks);
+    `n_protected`: how many of its decodes are protected, where the caller knows."""
+    return plan_shape([d.position for d in plan.decodes], [(c.start, len(c.token_ids)) for c in plan.prefills],
+                      n_protected)
 
 
-def plan_shape(decode_positions: list[int], chunks: list[tuple[int, int]]) -> StepShape:
+def plan_shape(decode_positions: list[int], chunks: list[tuple[int, int]],
+               n_protected: int | None = None) -> StepShape:
     """A step's shape from its decode positions and its prompt chunks as (start, n_tokens);
     a chunk covers positions start .. start+n-1, whose sum is n*start + n(n-1)/2."""
     prefill_sum = sum(n * start + n * (n - 1) // 2 for start, n in chunks)
@@ -195,4 +198,5 @@ def plan_shape(decode_positions: list[int], chunks: list[tuple[int, int]]) -> St
         prefill_position_sum=prefill_sum,
         decode_position_sum=sum(decode_positions),
         n_chunks=len(chunks),
+        n_protected=n_protected,
     )

@@ -53,6 +53,7 @@ class PlannedStep:
     n_prefill_bg: int
     seqs: dict[int, Sequence] = field(default_factory=dict)  # slot -> the sequence it held when planned
     n_decode_held: int = 0  # background decodes a guarded step's cap kept waiting
+    n_decode_protected: int = 0  # decodes of protected sequences: the foreground ITLs this step ends
 
     @property
     def capped(self) -> bool:
@@ -288,6 +289,7 @@ class Scheduler:
             n_prefill_bg=counts[BACKGROUND],
             seqs={s.slot: s for s in self.running},
             n_decode_held=n_held,
+            n_decode_protected=sum(1 for s in decoding if s.priority in self.protect),
         )
 
     def _starving(self, seq: Sequence, now: float | None) -> bool:

@@ -71,7 +71,9 @@ class StepCostModel:
             self.seq_ms = self._clipped(self.seq_ms if self.seq_ms is not None else self.token_ms,
                                         rest / extra_seqs)
             return
-        sample = max(rest - extra_seqs * self.seq(), MIN_SHARE * latency_ms) / (n - c)
+        # Before s or t is measured the pass is the prior's (a decode-only step): charged at 0,
+        # the first chunk's passes went to its tokens (a 2-token chunk taught t = 34 ms, s ~ 16).
+        sample = max(rest - extra_seqs * self._pass(), MIN_SHARE * latency_ms) / (n - c)
         self.token_ms = self._clipped(self.token_ms, sample)
 
     def seq(self) -> float:

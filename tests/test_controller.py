@@ -477,3 +477,56 @@ def test_step_cost_of_chunks_with_no_decode_beside_them():
         m.update(18.0, 1, 0, 1)  # one token alone
         m.update(18.0 + 31 * 8.0, 32, 0, 1)
     assert m.base_ms == pytest.approx(18.0) and m.token_ms == pytest.approx(8.0, rel=0.01)
+
+
+def test_weighted_quantile_is_the_order_statistic_for_equal_weights():
+    from dlfp.controller import weighted_quantile
+    values = [random.Random(3).random() for _ in range(128)]
+    ordered = sorted(values)
+    for q in (0.5, 0.9, 0.99):
+        assert weighted_quantile([(v, 1) for v in values], q) == ordered[math.ceil(q * 128) - 1]
+    # One high value of weight 2 among 127 of weight 1 is 2 of 129: above the top 1%.
+    assert weighted_quantile([(1.0, 1)] * 127 + [(1.5, 2)], 0.99) == 1.5
+    assert weighted_quantile([(1.0, 1)] * 127 + [(1.5, 1)], 0.99) == 1.0
+
+
+def test_tail_spread_counts_a_step_once_per_foreground_itl():
+    """The user's P99 is over ITLs: a slow step with two chats streaming is two of them.
+    Fed the same step times, the controller whose slow steps carried two foreground decodes
+    sees a wider spread (a lower setpoint) than the one whose slow steps carried one
+    foreground and one background decode; counted per step, the two would be equal."""
+    def run(n_protected: int) -> TailDLFP:
+        c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+        for k in range(300):
+            slow = k % 100 == 50  # one step in a hundred: at most the 99th percentile of steps
+            decodes = 1 if k % 5 == 4 else 2  # decode-only steps with one decode measure the base
+            cap = c.cap(decodes)
+            n = 0 if decodes == 1 else cap
+            shape = StepShape(decodes, n, 0, 0, n_chunks=1 if n else 0, n_protected=n_protected if slow else 1)
+            c.observe(pass_per_sequence_ms(n, decodes) * (1.6 if slow else 1.0) / 1e3, cap=cap, shape=shape)
+        return c
+    by_itl, by_step = run(2), run(1)
+    assert by_step.spread() < 1.3  # the slow step is the top 1% of steps: not the quantile
+    assert by_itl.spread() > 1.4  # as two ITLs, the top 1.6% of ITLs: the quantile
+    assert by_itl.cap(2) < by_step.cap(2)
+    assert StepShape(3, 0, 0, 0).itls == 3 and StepShape(3, 0, 0, 0, n_protected=1).itls == 1
+    assert StepShape(0, 5, 0, 0).itls == 1
+
+
+def test_first_chunk_after_the_prior_is_charged_its_pass():
+    """Before s or t is measured, the first chunk's pass is taken at the prior's (a decode-only
+    step), not at 0: a 2-token chunk beside one decode in 52 ms with decodes at 18 ms teaches
+    t = 52 - 18 - 18 = 16 ms, not 34 (which set the cap to 1 token, measured in the
+    low-interference workload)."""
+    from dlfp.stepcost import StepCostModel
+    m = StepCostModel(0.9)
+    m.update(18.0, 0, 1)
+    m.update(52.0, 2, 1, 1)
+    assert m.token_ms == pytest.approx(16.0) and m.seq_ms is None
+    # In the controller (T = 100 ms, setpoint 67 at the prior spread): 3 tokens next, not 1.
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    for _ in range(WARMUP_OBSERVATIONS):
+        c.observe(0.018, cap=c.cap(1), shape=StepShape(1, 0, 0, 0))
+    assert c.cap(1) == 2
+    c.observe(0.052, cap=2, shape=StepShape(1, 2, 0, 0, n_chunks=1))
+    assert c.cap(1) == 3

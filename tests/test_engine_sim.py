@@ -248,3 +248,28 @@ def test_replay_noise_from_a_recorded_trace(tmp_path):
     first, second = backend.time_step(plan), backend.time_step(plan)
     assert first / second == pytest.approx(noise.ratios[0] / noise.ratios[1])
     assert backend.describe()["simulated"] is True
+
+
+def test_the_policy_is_told_which_decodes_are_foreground():
+    # The controller's spread counts a step once per foreground ITL: background decodes in a
+    # guarded step are decodes, not the user's ITLs.
+    class Recording(FixedCap):
+        def __init__(self):
+            super().__init__(4)
+            self.shapes = []
+
+        def observe(self, latency_s, cap=None, shape=None):
+            self.shapes.append(shape)
+
+    policy = Recording()
+    clock = VirtualClock()
+    engine = Engine(SimBackend(SimCost(), clock=clock), policy, EngineConfig(), clock=clock.now)
+    handles = [engine.submit(Request(list(range(1, 9)), 30, BACKGROUND, ignore_eos=True, request_id=f"bg{i}"))
+               for i in range(2)]
+    handles.append(engine.submit(Request(list(range(3, 40)), 60, FOREGROUND, ignore_eos=True, request_id="fg")))
+    engine.start()
+    assert all(h.result(timeout=60).ok for h in handles)
+    engine.shutdown(abort_pending=False)
+    mixed = [s for s in policy.shapes if s.n_decode > s.n_protected]
+    assert mixed and all(s.n_protected == 1 and s.itls == 1 for s in mixed)
+    assert all(s.n_protected == 1 for s in policy.shapes)  # one chat: every guarded step ends one ITL

@@ -44,13 +44,16 @@ def test_cap_zero_keeps_background_decodes_waiting():
     step = sched.plan(cap=0, bg_cap=32)
     assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
     assert step.n_decode_held == 1 and step.plan.n_prefill == 0
+    assert step.n_decode_protected == 1
     step = sched.plan(cap=1, bg_cap=32)  # any other cap: every decode joins
     assert len(step.plan.decodes) == 2 and step.n_decode_held == 0 and step.n_prefill_bg == 1
+    assert step.n_decode_protected == 1  # one foreground ITL: what the controller's spread counts
     step = sched.plan(cap=0, bg_cap=32, background=False)  # the thermal hold keeps background decodes running
     assert len(step.plan.decodes) == 2 and step.n_decode_held == 0
     sched.finish(fg_dec, FinishReason.STOP, 0.0)
     step = sched.plan(cap=None, bg_cap=32)  # unguarded: nothing held
     assert [d.seq_id for d in step.plan.decodes] == [bg_dec.slot] and step.n_prefill_bg == 32
+    assert step.n_decode_protected == 0
 
 
 def test_foreground_prompt_goes_before_background():
