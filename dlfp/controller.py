@@ -289,10 +289,10 @@ class TailDLFP(PrefillPolicy):
     Each observed guarded step teaches a cost model (dlfp/stepcost.py: the
     decode-only cost plus a cost per prompt token) and leaves the ratio of its
     time to what the model predicted, weighted by the foreground ITLs the step
-    ends (a step with two chats streaming is two of the user's ITLs). The setpoint is T
-    divided by the `quantile` of the recent ratios, so the ITLs' spread, not
-    their mean, is what meets T. The cap is the number of prompt tokens the model fits under
-    the setpoint, at once, with no climb: what was learned survives `reset()`,
+    ends (a step with two chats streaming is two of the user's ITLs). The
+    setpoint is T divided by the `quantile` of the recent ratios, so the ITLs'
+    spread, not their mean, is what meets T. The cap is the number of prompt
+    tokens the model fits under the setpoint, at once, with no climb: what was learned survives `reset()`,
     so each foreground turn starts at the right cap. A step that misses T also
     shrinks the cap by equation (2) at once.
 
