@@ -10,12 +10,14 @@ step waits for it: on 2 cores with one busy neighbour a decode that takes 10 ms
 alone took most of a second. A prompt cap cannot fix that (the decode alone is
 over any target); running on the cores nobody else wants does.
 
-The governor reads other programs' load (cores' worth of CPU time used by other
-processes and stolen by the hypervisor: devices/cpu.py `OtherLoad`, the figure the
-CPU probe records as `other_cores`) itself, every `poll_s` on the engine thread
-between steps (two small /proc reads), faster than the probe sampler, because
-every step run on too many threads beside a neighbour costs the chat a stall. It
-wants
+The governor is asked between steps and reads other programs' load (cores' worth
+of CPU time used by other processes and stolen by the hypervisor: devices/cpu.py
+`OtherLoad`, the figure the CPU probe records as `other_cores`) from `source`. The
+engine's assembly gives it a `LoadWatch`, which reads that figure every `READ_S` on
+its own thread (faster than the probe sampler, because every step run on too many
+threads beside a neighbour costs the chat a stall), so the figure covers the last
+read period even after a step of seconds; `poll_s` spaces the governor's own reads
+(0 there: the watch's figure is free to ask). It wants
 `max_threads - ceil(other_cores - slack)` threads, at least one: a neighbour using
 less than `slack` of a core costs no thread. It lowers the count as soon as one
 reading (itself an average over the probe period) asks for it, or once the wish
@@ -31,6 +33,8 @@ import math
 from typing import Callable
 
 log = logging.getLogger("dlfp.threads")
+
+READ_S = 0.2  # how often other programs' load is read (0.1 s reacted to every 50 ms burst, and did not help)
 
 
 class ThreadGovernor:

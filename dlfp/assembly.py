@@ -79,22 +79,26 @@ def build_engine(
             # Background prefill yields to heat, throttling and a low battery; the foreground never does.
             engine.background_gate = ThermalGovernor.for_profile(profile, source=sampler.latest)
     if governor and not is_stock(pol):
-        engine.thread_governor = _thread_governor(backend)
+        engine.thread_governor = _thread_governor(engine, backend)
     return engine.start() if start else engine
 
 
-def _thread_governor(backend: Backend):
-    """Fewer step threads while other programs hold cores, where the backend can switch."""
+def _thread_governor(engine: Engine, backend: Backend):
+    """Fewer step threads while other programs hold cores, where the backend can switch.
+    Other programs' load is read on its own thread (a companion of the engine), so the figure
+    the governor sees between steps covers the last read period, not the whole step before."""
     if (backend.max_threads or 0) <= 1 or backend.threads is None:
         return None
     try:
-        from dlfp.devices.cpu import OtherLoad
+        from dlfp.devices.cpu import LoadWatch
     except ImportError as exc:  # psutil missing: the steps keep their threads
         log.warning("no thread governor (%s)", exc)
         return None
-    from dlfp.devices.threads import ThreadGovernor
+    from dlfp.devices.threads import READ_S, ThreadGovernor
 
-    return ThreadGovernor(OtherLoad().read, backend.max_threads)
+    watch = LoadWatch(period_s=READ_S)
+    engine.companions.append(watch)
+    return ThreadGovernor(watch.read, backend.max_threads, poll_s=0.0)  # the watch's figure: free to ask
 
 
 def _sampler(engine: Engine, period_s: float | None):

@@ -11,7 +11,7 @@ import pytest
 
 from dlfp.backends.sim import SimBackend, SimCost, VirtualClock
 from dlfp.controller import DLFPParams, TailDLFP
-from dlfp.devices.cpu import CpuProbe, OtherLoad
+from dlfp.devices.cpu import CpuProbe, LoadWatch, OtherLoad
 from dlfp.devices.threads import ThreadGovernor
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
@@ -77,6 +77,49 @@ def test_other_load_counts_a_spinning_child():
     assert others is not None and others >= 0.6  # the child is not this process: it counts
     values = CpuProbe().read()[0].values
     assert "util_pct" in values  # the first read of a fresh probe may come too soon for other_cores
+
+
+def test_load_watch_sees_a_neighbour_that_started_late_in_a_long_step():
+    """Real /proc/stat: a caller blocked for 2.1 s (a long step) while a child started spinning
+    1.6 s into it. Read once across the whole step the child is diluted to a quarter of a core,
+    below the governor's slack (0.4); the watch's figure covers its last period only."""
+    watch = LoadWatch(period_s=0.2).start()
+    across_the_step = OtherLoad()
+    spin = None
+    try:
+        time.sleep(1.6)  # the step runs; no neighbour yet
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)  # ... and ends with the neighbour spinning for its last part
+        others, diluted = watch.read(), across_the_step.read()
+    finally:
+        if spin is not None:
+            spin.kill()
+            spin.wait()
+        watch.stop()
+    assert others is not None and others >= 0.6
+    assert diluted is not None and diluted < others - 0.3  # what a read between steps saw
+    assert ThreadGovernor(watch.read, max_threads=2, poll_s=0.0)(0.0) == 1
+    with pytest.raises(ValueError):
+        LoadWatch(period_s=0.01)
+
+
+def test_the_assembled_governor_reads_load_on_its_own_thread(tiny_gguf):
+    from dlfp.assembly import build_engine
+    from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+    from dlfp.backends.protocol import Limits
+    from dlfp.devices.profiles import load_profile
+
+    backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(2, 256, 64), n_threads=2))
+    engine = build_engine(backend, "dlfp", load_profile("cpu-laptop"), probe_period_s=None, start=False)
+    watches = [c for c in engine.companions if isinstance(c, LoadWatch)]
+    assert len(watches) == 1 and engine.thread_governor is not None
+    engine.start()
+    try:
+        assert watches[0]._thread is not None and watches[0]._thread.is_alive()
+    finally:
+        engine.shutdown()
+        backend.close()
+    assert watches[0]._thread is None  # stopped with the engine
 
 
 def test_llamacpp_switches_threads(tiny_gguf):
