@@ -265,7 +265,7 @@ def describe_params(name: str, source: str, p: DLFPParams) -> dict:
 
 
 WARMUP_OBSERVATIONS = 8  # before this many, the cost model is young: growth stays limited
-MIN_CHUNK_MEMORY = 16  # latest guarded steps that carried the minimum chunk (their time / prediction)
+MIN_CHUNK_MEMORY = 16  # latest guarded steps that carried the minimum chunk, per decode count (time / prediction)
 MIN_CHUNK_MEASURED = 4  # of those, needed before their median corrects the prediction
 MIN_RATIOS = 32  # residuals needed before the observed spread replaces the prior
 MAX_SPREAD = 8.0
@@ -323,7 +323,7 @@ class TailDLFP(PrefillPolicy):
         self._cap = params.initial
         self._misses_at_min = 0
         self._asked_at_zero = 0
-        self._min_ratios: deque[float] = deque(maxlen=MIN_CHUNK_MEMORY)
+        self._min_ratios: dict[int, deque[float]] = {}  # decodes beside the minimum chunk -> its ratios
         self._reflex: int | None = None  # the miss reflex's cut, in force until the next observation
         self._probe_skipped = False  # a due probe was not run: the model says the minimum misses T
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
@@ -380,7 +380,8 @@ class TailDLFP(PrefillPolicy):
             self._ratios.append((latency_ms / predicted, shape.itls if shape is not None else 1))
         self.model.update(latency_ms, n, decodes, shape.n_chunks if shape is not None else None)
         if 0 < n <= p.minimum and predicted:
-            self._min_ratios.append(latency_ms / predicted)
+            ratios = self._min_ratios.setdefault(self.model.decodes, deque(maxlen=MIN_CHUNK_MEMORY))
+            ratios.append(latency_ms / predicted)
         if n == 0:  # a decode-only guarded step: the base moved, so may the cap
             if self.model.plannable and (not self.model.ready or self._cap == 0 or ran_with == 0):
                 self._cap = self._planned()
@@ -432,8 +433,12 @@ class TailDLFP(PrefillPolicy):
         if not p.zero_cap or self.model.n_obs < WARMUP_OBSERVATIONS:
             return False
         expected = self.model.predict(p.minimum)
-        if expected is not None and len(self._min_ratios) >= MIN_CHUNK_MEASURED:
-            expected *= sorted(self._min_ratios)[len(self._min_ratios) // 2]
+        # Corrected by the steps that carried it beside as many decodes: beside one decode the
+        # model overpredicted a one-token chunk (ratio 0.8), beside two on one thread it did not
+        # (1.0-1.1), and the one-decode correction let 95-113 ms steps through at T = 100.
+        ratios = self._min_ratios.get(self.model.decodes, ())
+        if expected is not None and len(ratios) >= MIN_CHUNK_MEASURED:
+            expected *= sorted(ratios)[len(ratios) // 2]
         return expected is None or expected > setpoint_ms
 
     def reset(self) -> None:

@@ -530,3 +530,23 @@ def test_first_chunk_after_the_prior_is_charged_its_pass():
     assert c.cap(1) == 2
     c.observe(0.052, cap=2, shape=StepShape(1, 2, 0, 0, n_chunks=1))
     assert c.cap(1) == 3
+
+
+def test_tail_corrects_the_minimum_chunk_by_steps_beside_as_many_decodes():
+    """The minimum chunk's prediction is corrected by the median ratio of the steps that carried
+    it beside the same number of decodes: one-token chunks beside one decode that ran at 0.7x
+    the prediction say nothing about one beside two decodes (measured on one thread beside a
+    neighbour: ratio 1.0-1.1, and the pooled correction let 95-113 ms steps through at T = 100)."""
+    c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    m = c.model
+    m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 18.0, 40.0, 8.0, 100  # a second sequence costs 40 ms
+    for _ in range(4):  # beside one decode the minimum chunk ran at 0.7x its prediction
+        c.observe(0.7 * m.predict(1, 1) / 1e3, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))
+    setpoint = c.setpoint_s() * 1e3
+    assert m.predict(1, 1) < setpoint < m.predict(1, 2)
+    assert m.predict(1, 2) * 0.75 < setpoint  # a pooled correction would let it through
+    assert c.cap(1) >= 1
+    assert c.cap(2) == 0  # beside two decodes nothing has corrected the prediction: held out
+    for _ in range(4):  # ... until such steps are measured as cheaper than predicted
+        c.observe(0.6 * m.predict(1, 2) / 1e3, cap=1, shape=StepShape(2, 1, 0, 0, n_chunks=1))
+    assert c.cap(2) >= 1
