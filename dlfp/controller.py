@@ -292,15 +292,15 @@ class TailDLFP(PrefillPolicy):
     ends (a step with two chats streaming is two of the user's ITLs). The
     setpoint is T divided by the `quantile` of the recent ratios, so the ITLs'
     spread, not their mean, is what meets T. The cap is the number of prompt
-    tokens the model fits under the setpoint, at once, with no climb: what was learned survives `reset()`,
-    so each foreground turn starts at the right cap. A step that misses T also
-    shrinks the cap by equation (2) at once.
+    tokens the model fits under the setpoint, at once, with no climb: what was
+    learned survives `reset()`, so each foreground turn starts at the right cap.
+    A step that misses T also shrinks the cap by equation (2) at once.
 
     When even the minimum chunk would break T at the quantile (and `zero_cap`),
     the cap is 0: no background prompt token joins a guarded step (counted in
     `zero_steps`). "Would break" is the model's prediction for the minimum chunk
     times the median ratio of measured to predicted time over the steps that
-    recently carried it, against the setpoint: a small step's cost is not linear
+    recently carried it beside as many decodes, against the setpoint: a small step's cost is not linear
     in its tokens on a CPU (one decode 14 ms, plus one prompt token 27 ms, plus
     three 42 ms), so the model fitted to larger steps overpredicts it, and kept
     background out of steps that held T (measured at T = 50 ms). The ratio, not
