@@ -341,7 +341,7 @@ class Engine:
         step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed,
                                    now=self.clock())
         self._step_no += 1
-        obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step.plan, step.n_decode_protected),
+        obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label,
                       threads=self.backend.threads, n_decode_held=step.n_decode_held)
         previous, self._in_flight = self._in_flight, None

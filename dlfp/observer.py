@@ -180,11 +180,12 @@ class StepObserver:
         )
 
 
-def step_shape(plan, n_protected: int | None = None) -> StepShape:
-    """The shape of a backend StepPlan (its decodes' positions and its prompt chunks);
-    `n_protected`: how many of its decodes are protected, where the caller knows."""
+def step_shape(step) -> StepShape:
+    """The shape of a scheduler's PlannedStep: its plan's decode positions and prompt chunks,
+    and how many of its decodes are protected (the foreground ITLs it ends)."""
+    plan = step.plan
     return plan_shape([d.position for d in plan.decodes], [(c.start, len(c.token_ids)) for c in plan.prefills],
-                      n_protected)
+                      step.n_decode_protected)
 
 
 def plan_shape(decode_positions: list[int], chunks: list[tuple[int, int]],

@@ -247,8 +247,8 @@ class Scheduler:
         if not self.caps.multi_sequence:
             decoding, prefilling = self._time_slice(decoding, prefilling)
         n_held = 0
+        protected = [s for s in decoding if s.priority in self.protect]
         if guarded and cap == 0 and background:  # background decodes wait with background prompts
-            protected = [s for s in decoding if s.priority in self.protect]
             n_held, decoding = len(decoding) - len(protected), protected
 
         # A token still in flight is fed from the device (pipelined engines).
@@ -289,7 +289,7 @@ class Scheduler:
             n_prefill_bg=counts[BACKGROUND],
             seqs={s.slot: s for s in self.running},
             n_decode_held=n_held,
-            n_decode_protected=sum(1 for s in decoding if s.priority in self.protect),
+            n_decode_protected=len(protected),
         )
 
     def _starving(self, seq: Sequence, now: float | None) -> bool:

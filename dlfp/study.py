@@ -93,7 +93,7 @@ def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: i
         sched.admit()
         cap = obs.begin(sched.guarded(), len(sched.decoding()))
         step = sched.plan(cap, obs.budget_cap(), now=t)
-        obs.scheduled(len(steps), step.guarded, step.cap, step_shape(step.plan, step.n_decode_protected),
+        obs.scheduled(len(steps), step.guarded, step.cap, step_shape(step),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, n_decode_held=step.n_decode_held)
         if step.plan.is_empty():
             t = next_turn if next_turn is not None else duration_s
