@@ -128,8 +128,8 @@ class LoadWatch:
     figure, however long ago the caller last asked.
 
     The thread governor runs between steps. Read there, a window spanned the whole step
-    before it, so a neighbour that started 2 s into a 4.8 s prefill step read as 0.4 cores
-    (below the slack) and the next two steps ran on both threads beside it (102 and 212 ms,
+    before it, so a neighbour that started 2 s into a 4.8 s prefill step was diluted below
+    the slack and the next two steps ran on both threads beside it (102 and 212 ms,
     noisy-neighbour seed 802). Two small /proc reads per period cost nothing next to a step.
     """
 

@@ -435,7 +435,7 @@ class TailDLFP(PrefillPolicy):
         expected = self.model.predict(p.minimum)
         # Corrected by the steps that carried it beside as many decodes: beside one decode the
         # model overpredicted a one-token chunk (ratio 0.8), beside two on one thread it did not
-        # (1.0-1.1), and the one-decode correction let 95-113 ms steps through at T = 100.
+        # (0.9-1.2), and the one-decode correction let 95-113 ms steps through at T = 100.
         ratios = self._min_ratios.get(self.model.decodes, ())
         if expected is not None and len(ratios) >= MIN_CHUNK_MEASURED:
             expected *= sorted(ratios)[len(ratios) // 2]

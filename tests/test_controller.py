@@ -536,7 +536,7 @@ def test_tail_corrects_the_minimum_chunk_by_steps_beside_as_many_decodes():
     """The minimum chunk's prediction is corrected by the median ratio of the steps that carried
     it beside the same number of decodes: one-token chunks beside one decode that ran at 0.7x
     the prediction say nothing about one beside two decodes (measured on one thread beside a
-    neighbour: ratio 1.0-1.1, and the pooled correction let 95-113 ms steps through at T = 100)."""
+    neighbour: ratio 0.9-1.2, and the pooled correction let 95-113 ms steps through at T = 100)."""
     c = TailDLFP(DLFPParams(0.100, 4, 1, 256, 1, zero_cap=True))
     m = c.model
     m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 18.0, 40.0, 8.0, 100  # a second sequence costs 40 ms
