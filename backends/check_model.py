@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from dlfp.backends.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan
+from dlfp.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan
 
 PROMPT = "Name three rivers in Europe and say one thing about each."
 REF_TOL = 1e-4  # share of the logit spread: fp32 against fp32, only summation order differs

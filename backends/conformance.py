@@ -34,7 +34,7 @@ from typing import Callable
 import click
 import numpy as np
 
-from dlfp.backends.protocol import (
+from dlfp.protocol import (
     TIMING_DEVICE_EVENT,
     TIMING_OUTPUT_READY,
     TIMING_SYNC_WALL,

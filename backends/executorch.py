@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlfp.backends.protocol import (
+from dlfp.protocol import (
     TIMING_SYNC_WALL,
     Backend,
     BackendError,

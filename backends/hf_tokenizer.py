@@ -12,7 +12,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from dlfp.backends.protocol import BackendError
+from dlfp.protocol import BackendError
 
 DLFP_TOKENIZER = "dlfp-tokenizer.json"
 # End-of-generation tokens llama.cpp also recognises by their text (llama-vocab.cpp), beyond

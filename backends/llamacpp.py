@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlfp.backends.protocol import (
+from dlfp.protocol import (
     TIMING_SYNC_WALL,
     Backend,
     BackendError,

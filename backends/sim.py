@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlfp.backends.protocol import TIMING_SYNC_WALL, Backend, Capabilities, StepPlan, StepResult
+from dlfp.protocol import TIMING_SYNC_WALL, Backend, Capabilities, StepPlan, StepResult
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from dlfp.backends.protocol import Limits
+from dlfp.protocol import Limits
 from dlfp.controller import DLFPParams
 
 
@@ -21,7 +21,7 @@ class DeviceProfile:
     quantum: int
     preemption_budget_ms: float  # 0: no budget
     preemption_initial: int
-    # Limits, in the names every adapter uses (dlfp.backends.protocol.Limits).
+    # Limits, in the names every adapter uses (dlfp.protocol.Limits).
     max_sequences: int
     context_per_sequence: int
     max_batch_tokens: int

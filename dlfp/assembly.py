@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Callable
 
-from dlfp.backends.protocol import Backend
+from dlfp.protocol import Backend
 from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine, EngineConfig

@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dlfp.backends.protocol import Backend, BackendError, DoneStep, PendingStep
+from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep
 from dlfp.controller import PrefillPolicy, make_budget_policy
 from dlfp.observer import StepObserver, step_shape
 from dlfp.prefix_cache import DEFAULT_HOLD_S

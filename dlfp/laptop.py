@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dlfp.backends.protocol import Backend
+from dlfp.protocol import Backend
 from dlfp.assembly import build_engine, make_policy
 from dlfp.controller import PrefillPolicy, params_to_dict
 from dlfp.devices.energy import energy_report

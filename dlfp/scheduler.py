@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dlfp.backends.protocol import PLACEHOLDER_TOKEN, Capabilities, DecodeItem, PrefillChunk, StepPlan
+from dlfp.protocol import PLACEHOLDER_TOKEN, Capabilities, DecodeItem, PrefillChunk, StepPlan
 from dlfp.prefix_cache import DEFAULT_HOLD_S, PrefixCache
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
 from dlfp.trace import is_capped

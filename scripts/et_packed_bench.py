@@ -27,7 +27,7 @@ import psutil
 
 from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig
 from dlfp.backends.executorch_export import TinyConfig, export_tiny
-from dlfp.backends.protocol import DecodeItem, Limits, PrefillChunk, StepPlan
+from dlfp.protocol import DecodeItem, Limits, PrefillChunk, StepPlan
 
 TINY = dict(dim=64, layers=2, heads=4, ffn=128, max_seq_len=512, max_chunk=160, seed=0)  # tests/tiny_pte.py's
 DECODERS = (1, 2, 4)

@@ -73,7 +73,7 @@ say "llama-server: $BIN"
 [ "$BUILD_ONLY" = 1 ] && { echo "$BIN"; exit 0; }
 
 MODEL=${MODEL:-$("$PY" -c 'from dlfp.models import default_model_path; print(default_model_path())')}
-THREADS=${THREADS:-$("$PY" -c 'from dlfp.backends.protocol import physical_cores; print(physical_cores())')}
+THREADS=${THREADS:-$("$PY" -c 'from dlfp.protocol import physical_cores; print(physical_cores())')}
 mkdir -p "$OUT"
 PIDS=()
 cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }

@@ -16,7 +16,7 @@ import numpy as np
 
 from dlfp.backends.mlc.build_tiny import SCHEDULES, build_tiny
 from dlfp.backends.mlc.step import MLCStepBackend, StepConfig
-from dlfp.backends.protocol import DecodeItem, Limits, PrefillChunk, StepPlan
+from dlfp.protocol import DecodeItem, Limits, PrefillChunk, StepPlan
 
 
 def measure(folder: Path, threads: int, reps: int) -> tuple[dict, np.ndarray]:

@@ -213,7 +213,7 @@ def test_bad_inputs_give_one_line(tiny_gguf, tmp_path):
 
 
 def test_overhead_against_llama_cpp_python(tiny_gguf):
-    from dlfp.backends.protocol import Limits
+    from dlfp.protocol import Limits
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
     from dlfp.bench.overhead import measure_overhead
     from dlfp.devices.profiles import load_profile

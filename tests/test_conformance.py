@@ -9,14 +9,14 @@ import pytest
 
 from dlfp.backends import conformance
 from dlfp.backends.conformance import CHECKS, FAIL, PASS, SKIP, run_check
-from dlfp.backends.protocol import Backend, Limits, StepResult
+from dlfp.protocol import Backend, Limits, StepResult
 
 
 def _llamacpp(tmp):
     pytest.importorskip("llama_cpp")
     from tiny_gguf import CHATML, write_tiny_gguf
 
-    from dlfp.backends.protocol import Limits
+    from dlfp.protocol import Limits
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
 
     path = write_tiny_gguf(tmp / "conf.gguf", vocab=512, chat_template=CHATML)

@@ -242,7 +242,7 @@ def test_replay_noise_from_a_recorded_trace(tmp_path):
     assert noise.fitted.prefill_token_s == pytest.approx(0.002, rel=0.15)
     assert len(noise.ratios) == 40 and noise.ratios[0] > 1.3 > noise.ratios[1]
     backend = SimBackend(noise=noise)
-    from dlfp.backends.protocol import DecodeItem, StepPlan
+    from dlfp.protocol import DecodeItem, StepPlan
 
     plan = StepPlan(decodes=[DecodeItem(0, 1, 5)])
     first, second = backend.time_step(plan), backend.time_step(plan)

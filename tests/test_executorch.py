@@ -12,7 +12,7 @@ pytest.importorskip("executorch")
 from tiny_pte import TINY, tiny_pte  # noqa: E402
 
 from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig, ModelLoadError  # noqa: E402
-from dlfp.backends.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ pytest.importorskip("executorch")
 from tiny_pte import PACKED_SLOTS, TINY, tiny_packed_pte, tiny_pte  # noqa: E402
 
 from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig  # noqa: E402
-from dlfp.backends.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
 
 # fp32 on both sides; the packed call sums attention over more (masked) cells and
 # batches the matmuls differently, so results agree to rounding, not bit for bit.

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from dlfp.backends.protocol import Limits
+from dlfp.protocol import Limits
 
 from tiny_gguf import CHATML, write_tiny_gguf
 

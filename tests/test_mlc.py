@@ -10,7 +10,7 @@ pytest.importorskip("tvm")
 from dlfp.backends.mlc.model_dir import CONFIG_NAME, ModelFolderError  # noqa: E402
 from dlfp.backends.mlc.step import MLCStepBackend, StepConfig  # noqa: E402
 from dlfp.backends.mlc.tokenizer import ByteTokenizer  # noqa: E402
-from dlfp.backends.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
 from dlfp.controller import DLFP, DLFPParams, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402

@@ -52,7 +52,7 @@ TINY = WorkloadSpec(
 def test_trial_builds_each_turn_from_the_reply_and_reuse_changes_no_token(tiny_gguf):
     pytest.importorskip("llama_cpp")
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-    from dlfp.backends.protocol import Limits
+    from dlfp.protocol import Limits
     from dlfp.bench.target import EngineTarget
     from dlfp.devices.profiles import load_profile
 

@@ -73,7 +73,7 @@ def test_unbounded_is_the_stock_runtime_everywhere():
 def test_bench_engine_target_runs_the_governor(tiny_gguf):
     """`dlfp bench` never attached the governor before: only the laptop job did."""
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-    from dlfp.backends.protocol import Limits
+    from dlfp.protocol import Limits
     from dlfp.bench.target import EngineTarget
 
     backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(2, 256, 64), n_threads=1))

@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 
-from dlfp.backends.protocol import TIMING_SYNC_WALL, Capabilities
+from dlfp.protocol import TIMING_SYNC_WALL, Capabilities
 from dlfp.prefix_cache import PrefixCache, common_prefix
 from dlfp.scheduler import Scheduler
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Request, Sequence, Status

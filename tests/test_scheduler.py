@@ -1,4 +1,4 @@
-from dlfp.backends.protocol import TIMING_SYNC_WALL, Capabilities
+from dlfp.protocol import TIMING_SYNC_WALL, Capabilities
 from dlfp.scheduler import FG_STARVATION_S, Scheduler
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Request, Sequence, Status
 

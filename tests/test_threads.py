@@ -106,7 +106,7 @@ def test_load_watch_sees_a_neighbour_that_started_late_in_a_long_step():
 def test_the_assembled_governor_reads_load_on_its_own_thread(tiny_gguf):
     from dlfp.assembly import build_engine
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-    from dlfp.backends.protocol import Limits
+    from dlfp.protocol import Limits
     from dlfp.devices.profiles import load_profile
 
     backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(2, 256, 64), n_threads=2))
@@ -124,7 +124,7 @@ def test_the_assembled_governor_reads_load_on_its_own_thread(tiny_gguf):
 
 def test_llamacpp_switches_threads(tiny_gguf):
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-    from dlfp.backends.protocol import BackendError, Limits, PrefillChunk, StepPlan
+    from dlfp.protocol import BackendError, Limits, PrefillChunk, StepPlan
 
     backend = LlamaCppBackend(LlamaCppConfig(tiny_gguf, limits=Limits(1, 64, 32), n_threads=2))
     try:

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dlfp.backends.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan  # noqa: E402
+from dlfp.protocol import BackendError, DecodeItem, PrefillChunk, StepPlan  # noqa: E402
 from dlfp.backends.torch.backend import PLACEHOLDER, TorchBackend  # noqa: E402
 from dlfp.backends.torch.config import ModelConfig, bundled_config  # noqa: E402
 from dlfp.backends.torch.model import CausalLM  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def from_profile(model_path: str | None, profile, n_threads: int | None = None):
     """The registry's factory: step mode, sized from the device profile."""
-    from dlfp.backends.protocol import ModelLoadError
+    from dlfp.protocol import ModelLoadError
 
     if model_path is None:
         raise ModelLoadError("the mlc backend needs --model DIR (build a tiny one: python -m dlfp.backends.mlc.build_tiny DIR)")

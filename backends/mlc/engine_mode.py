@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from dlfp.backends.protocol import Capabilities
+from dlfp.protocol import Capabilities
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import RequestRecord, Trace
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from dlfp.backends.mlc.model_dir import ModelFolder
 from dlfp.backends.mlc.tokenizer import load_tokenizer
-from dlfp.backends.protocol import (
+from dlfp.protocol import (
     TIMING_OUTPUT_READY,
     Backend,
     BackendError,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from dlfp.backends.protocol import BackendError
+from dlfp.protocol import BackendError
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlfp.backends.protocol import (
+from dlfp.protocol import (
     PLACEHOLDER_TOKEN,
     TIMING_DEVICE_EVENT,
     TIMING_SYNC_WALL,

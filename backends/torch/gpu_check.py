@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dlfp.backends.protocol import DecodeItem, PrefillChunk, StepPlan
+from dlfp.protocol import DecodeItem, PrefillChunk, StepPlan
 from dlfp.bench.analysis import output_agreement, trial_row
 from dlfp.bench.runner import Arm, run_trial
 from dlfp.bench.target import EngineTarget

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlfp.backends.protocol import BackendError
+from dlfp.protocol import BackendError
 
 BYTE_OFFSET = 3
 

@@ -134,7 +134,7 @@ def _prompt_pool(kind: str, target, tokenizer: str | None = None) -> tuple[list[
 
 def _gguf_pool(path: str) -> list[int]:
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-    from dlfp.backends.protocol import Limits, ModelLoadError
+    from dlfp.protocol import Limits, ModelLoadError
 
     try:
         backend = LlamaCppBackend(LlamaCppConfig(path, limits=Limits(1, 64, 32), n_threads=1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from dlfp.assembly import build_engine
-from dlfp.backends.protocol import Backend
+from dlfp.protocol import Backend
 from dlfp.controller import params_to_dict
 from dlfp.devices.profiles import DeviceProfile
 from dlfp.engine import Engine

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from dlfp.backends.protocol import BackendError
+from dlfp.protocol import BackendError
 from dlfp.engine import Engine
 from dlfp.server.bridge import EngineBridge, engine_dead, engine_failure
 from dlfp.server.completions import make_job, resolve_priority, respond

@@ -12,7 +12,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from dlfp.backends.protocol import Backend
+from dlfp.protocol import Backend
 from dlfp.engine import InvalidRequest, TokenEvent
 from dlfp.sequence import BACKGROUND, FOREGROUND, PRIORITIES, Request, SamplingParams
 from dlfp.server.bridge import EngineBridge, Submitted

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import codecs
 
-from dlfp.backends.protocol import Backend
+from dlfp.protocol import Backend
 
 
 class TextStream:
