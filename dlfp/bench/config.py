@@ -7,17 +7,11 @@ tell whether a rerun happened under the same conditions.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
-import time
 from dataclasses import asdict, dataclass, field, fields
-from importlib import metadata
 from pathlib import Path
 
 from dlfp.prefix_cache import DEFAULT_HOLD_S
-
-DISTRIBUTIONS = ("dlfp", "numpy", "scipy", "llama-cpp-python", "vllm", "openai", "executorch", "apache-tvm")
+from dlfp.provenance import provenance
 
 
 @dataclass
@@ -70,60 +64,13 @@ def load_args(path: str | Path) -> BenchArgs:
 
 
 def build_config(args: BenchArgs, spec, profile, targets: dict[str, dict], params: dict | None) -> dict:
-    return {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["dlfp", *sys.argv[1:]]) if sys.argv else "dlfp bench",
+    models = [desc.get("model_path") for desc in targets.values()]
+    cfg = provenance(models=models, threads=args.threads)
+    cfg.update({
         "args": asdict(args),
         "workload": spec.to_dict(),
         "profile": asdict(profile),
         "controller": params,
         "targets": targets,
-        "models": _model_hashes(targets),
-        "versions": versions(),
-        "machine": machine(),
-    }
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in DISTRIBUTIONS:
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def machine() -> dict:
-    import psutil
-
-    return {
-        "platform": platform.platform(),
-        "processor": _cpu_model() or platform.processor(),
-        "physical_cores": psutil.cpu_count(logical=False),
-        "logical_cores": psutil.cpu_count(logical=True),
-        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "hostname": platform.node(),
-        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-    }
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
-
-
-def _model_hashes(targets: dict[str, dict]) -> dict:
-    from dlfp.models import file_sha256
-
-    out = {}
-    for desc in targets.values():
-        path = desc.get("model_path")
-        if path and Path(path).is_file() and path not in out:
-            out[path] = {"sha256": file_sha256(Path(path)), "bytes": Path(path).stat().st_size}
-    return out
+    })
+    return cfg
