@@ -61,6 +61,34 @@ class StepShape:
         return self.prefill_position_sum / self.n_prefill if self.n_prefill else 0.0
 
 
+# Why a cap is what it is: the decision record's vocabulary.
+RULES = {
+    "unbounded": "no cap",
+    "fixed": "a static cap",
+    "initial": "nothing learned yet: the profile's initial cap",
+    "paper": "equation (2) on the last observed step",
+    "prior": "planned from the decode-only steps before a prompt token was measured (at most initial)",
+    "model": "the largest chunk whose predicted time times the margin meets the target",
+    "minimum": "not even the minimum chunk fits, and background may not be held out",
+    "hold": "not even the minimum chunk fits: background prompt tokens are held out (cap 0)",
+    "probe": "a minimum chunk while background is held out, to measure whether it fits again",
+    "reflex": "the last step missed the target: equation (2) on the tokens it carried",
+    "warmup": "the cost model is young: the cap grows by a bounded factor per step",
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a policy chose for one guarded step, and why (stored in every step trace row)."""
+
+    cap: int | None
+    rule: str  # a key of RULES
+    n_decode: int | None = None  # the decodes the step was planned for
+    predicted_ms: float | None = None  # the cost model's time for the planned step (no margin)
+    margin: float | None = None  # measured / predicted quantile the prediction is multiplied by
+    setpoint_ms: float | None = None  # target / margin: what the prediction must meet
+
+
 class PrefillPolicy(ABC):
     """Caps the prompt tokens of a step that overlaps an active decode ("guarded").
 
@@ -73,10 +101,13 @@ class PrefillPolicy(ABC):
     source: str = COMPLETION
 
     @abstractmethod
+    def decide(self, n_decode: int | None = None) -> Decision:
+        """The prompt-token cap for the next guarded step (None: no cap) and why. `n_decode`:
+        the decodes that step will carry, where the caller knows it (a policy that learns the
+        step's cost plans for them). Asked once per guarded step: a policy may count the asks."""
+
     def cap(self, n_decode: int | None = None) -> int | None:
-        """Prompt-token cap for the next guarded step; None means no cap. `n_decode`: the
-        decodes that step will carry, where the caller knows it (a policy that learns the
-        step's cost plans for them)."""
+        return self.decide(n_decode).cap
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         """Latency of a guarded step that has completed.
@@ -109,8 +140,8 @@ class Unbounded(PrefillPolicy):
 
     name = "unbounded"
 
-    def cap(self, n_decode: int | None = None) -> int | None:
-        return None
+    def decide(self, n_decode: int | None = None) -> Decision:
+        return Decision(None, "unbounded", n_decode)
 
 
 class FixedCap(PrefillPolicy):
@@ -122,8 +153,8 @@ class FixedCap(PrefillPolicy):
         self.tokens = tokens
         self.name = f"fixed:{tokens}"
 
-    def cap(self, n_decode: int | None = None) -> int | None:
-        return self.tokens
+    def decide(self, n_decode: int | None = None) -> Decision:
+        return Decision(self.tokens, "fixed", n_decode)
 
     def describe(self) -> dict:
         return {"name": self.name, "source": self.source, "tokens": self.tokens}
@@ -229,10 +260,11 @@ class DLFP(PrefillPolicy):
         self.source = source
         self.name = "dlfp-paper" if source == COMPLETION else "dlfp-cadence"
         self._cap = params.initial
+        self._rule = "initial"
         self._misses_at_min = 0
 
-    def cap(self, n_decode: int | None = None) -> int | None:
-        return self._cap
+    def decide(self, n_decode: int | None = None) -> Decision:
+        return Decision(self._cap, self._rule, n_decode, setpoint_ms=self.params.target_s * 1e3)
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         if shape is not None and shape.n_prefill == 0:
@@ -242,13 +274,13 @@ class DLFP(PrefillPolicy):
         # observation already moved would apply one correction twice.
         base = self._cap if cap is None else cap
         at_min = base == p.minimum
-        self._cap = next_cap(base, p.target_s, latency_s, p)
+        self._cap, self._rule = next_cap(base, p.target_s, latency_s, p), "paper"
         # A miss at the minimum means even the smallest chunk cannot meet the
         # target (often: the decode alone is slower than the target).
         self._misses_at_min = self._misses_at_min + 1 if at_min and latency_s > p.target_s else 0
 
     def reset(self) -> None:
-        self._cap = self.params.initial
+        self._cap, self._rule = self.params.initial, "initial"
         # Unreachability is a property of the device, not of one burst: keep the count.
 
     @property
@@ -320,34 +352,49 @@ class TailDLFP(PrefillPolicy):
         self.name = name
         self.model = StepCostModel(params.forgetting)
         self._ratios: deque[tuple[float, int]] = deque(maxlen=params.window)  # (ratio, ITLs)
-        self._cap = params.initial
+        self._set(params.initial, "initial")
         self._misses_at_min = 0
         self._asked_at_zero = 0
         self._min_ratios: dict[int, deque[float]] = {}  # decodes beside the minimum chunk -> its ratios
         self._reflex: int | None = None  # the miss reflex's cut, in force until the next observation
+        self._reflex_rule = "reflex"  # what decided that cut (reflex, or hold/minimum where it fell below)
         self._probe_skipped = False  # a due probe was not run: the model says the minimum misses T
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
-    def cap(self, n_decode: int | None = None) -> int | None:
+    def decide(self, n_decode: int | None = None) -> Decision:
         if n_decode and n_decode != self.model.decodes:
             self.model.decodes = n_decode  # the step's decodes cost too: plan for this many
             if self.model.plannable:
                 # Replanned for the new count, but not above the cut the last miss made:
                 # that cut holds until the next observation.
-                planned = self._planned()
-                self._cap = planned if self._reflex is None else min(planned, self._reflex)
+                planned, rule = self._planned()
+                if self._reflex is not None and self._reflex < planned:
+                    planned, rule = self._reflex, self._reflex_rule
+                self._set(planned, rule)
         if self._cap > 0:
             self._probe_skipped = False
-            return self._cap
+            return self._plan
         self._asked_at_zero += 1
         if self._asked_at_zero >= self.params.probe_every:  # a probe is due
             if self._probe_may_meet_target():
                 self._asked_at_zero = 0
                 self._probe_skipped = False
-                return self.params.minimum  # a probe: does the minimum chunk fit again?
+                return self._decision(self.params.minimum, "probe")  # does the minimum chunk fit again?
             self._probe_skipped = True  # kept due: the next step that may meet T runs it
         self.zero_steps += 1
-        return 0
+        return self._plan
+
+    def _set(self, cap: int, rule: str) -> None:
+        """The cap for the coming guarded steps, and the decision record that explains it: the
+        model's prediction and the margin as they stood when it was planned."""
+        self._cap, self._rule = cap, rule
+        self._plan = self._decision(cap, rule)
+
+    def _decision(self, cap: int, rule: str) -> Decision:
+        d = self.model.decodes
+        predicted = self.model.predict(cap, d) if self.model.plannable else None
+        spread = self.spread()
+        return Decision(cap, rule, d, predicted, spread, self.params.target_s * 1e3 / spread)
 
     def _probe_may_meet_target(self) -> bool:
         """A probe is a step the setpoint says no to; skip it where it would surely miss T:
@@ -384,21 +431,25 @@ class TailDLFP(PrefillPolicy):
             ratios.append(latency_ms / predicted)
         if n == 0:  # a decode-only guarded step: the base moved, so may the cap
             if self.model.plannable and (not self.model.ready or self._cap == 0 or ran_with == 0):
-                self._cap = self._planned()
+                self._set(*self._planned())
             return
         missed = latency_s > p.target_s
         self._misses_at_min = self._misses_at_min + 1 if n <= p.minimum and missed else 0
         setpoint_ms = self.setpoint_s() * 1e3
-        new = self._planned(setpoint_ms)
+        new, rule = self._planned(setpoint_ms)
         if missed:  # reflex: equation (2) on the tokens the step carried
-            new = min(new, math.floor(n * p.target_s / latency_s / p.quantum) * p.quantum)
+            cut = math.floor(n * p.target_s / latency_s / p.quantum) * p.quantum
+            if cut < new:
+                new, rule = cut, "reflex"
             if new < p.minimum:
-                new = 0 if self._hold_out(setpoint_ms) else p.minimum
-            self._reflex = new
+                new, rule = (0, "hold") if self._hold_out(setpoint_ms) else (p.minimum, "minimum")
+            self._reflex, self._reflex_rule = new, rule
         if self.model.n_obs < WARMUP_OBSERVATIONS:
             growth = p.max_growth or 2.0
-            new = min(new, max(int(max(ran_with, 1) * growth), ran_with + p.quantum))
-        self._cap = new
+            limit = max(int(max(ran_with, 1) * growth), ran_with + p.quantum)
+            if limit < new:
+                new, rule = limit, "warmup"
+        self._set(new, rule)
 
     def spread(self) -> float:
         """The recent steps' `quantile` as a multiple of the model's prediction."""
@@ -410,19 +461,19 @@ class TailDLFP(PrefillPolicy):
     def setpoint_s(self) -> float:
         return self.params.target_s / self.spread()
 
-    def _planned(self, setpoint_ms: float | None = None) -> int:
-        """Tokens the model fits under the setpoint, floored to the quantum and clamped."""
+    def _planned(self, setpoint_ms: float | None = None) -> tuple[int, str]:
+        """Tokens the model fits under the setpoint, floored to the quantum and clamped; and the rule."""
         p = self.params
         if not self.model.plannable:
-            return p.initial
+            return p.initial, "initial"
         setpoint_ms = self.setpoint_s() * 1e3 if setpoint_ms is None else setpoint_ms
         room = self.model.tokens_within(setpoint_ms)
         if room < p.minimum:
-            return 0 if self._hold_out(setpoint_ms) else p.minimum
+            return (0, "hold") if self._hold_out(setpoint_ms) else (p.minimum, "minimum")
         planned = max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
         # From the prior (no prompt token measured): at most `initial`, which may be sized
         # for the device (the prior errs far small on a GPU).
-        return planned if self.model.ready else min(planned, p.initial)
+        return (planned, "model") if self.model.ready else (min(planned, p.initial), "prior")
 
     def _hold_out(self, setpoint_ms: float) -> bool:
         """Keep background prefill out of guarded steps: allowed, past the warm-up, and the
@@ -446,7 +497,7 @@ class TailDLFP(PrefillPolicy):
         # keep it, and start the next turn at the cap it gives.
         self._asked_at_zero = 0
         self._reflex = None
-        self._cap = self._planned()
+        self._set(*self._planned())
 
     def device_changed(self, cost_factor: float | None = None) -> None:
         # A different device (thread count). With a factor, the costs learned so far,

@@ -270,8 +270,14 @@ class Engine:
             "waiting_foreground": len(s.waiting[FOREGROUND]),
             "waiting_background": sum(len(q) for cls, q in s.waiting.items() if cls != FOREGROUND),
             "running": len(s.running),
-            "cap": self.policy.cap(),
+            "cap": self._next_cap(),
         }
+
+    def _next_cap(self) -> int | None:
+        """The cap of the latest guarded decision (None: uncapped, or none yet), read without
+        asking the policy (it counts its asks) from another thread."""
+        decision = self.observer.decision
+        return None if decision is None else decision.cap
 
     # -- engine thread -----------------------------------------------------
     def _run(self) -> None:

@@ -26,7 +26,7 @@ from dlfp.engine import Engine, InvalidRequest
 from dlfp.metrics import itls, percentile, ttft
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
-from dlfp.trace import RequestRecord, Trace, control_counts
+from dlfp.trace import RequestRecord, Trace, control_counts, rule_counts
 from dlfp.workloads.laptop import ChatScript, Document, chat_messages, summary_messages
 
 DECODE_ONLY = "decode-only"
@@ -153,6 +153,7 @@ def session_summary(s: Session) -> dict:
         "energy": energy_report(s.trace.samples, s.start, s.end, s.trace.steps, s.trace.requests),
         "governor_holds": sum(1 for st in s.trace.steps if st.governor and st.governor != "clear"),
         **control_counts(s.trace.steps, s.trace.max_threads),
+        "decision_rules": rule_counts(s.trace.steps),
         "notes": list(s.trace.notes),
     }
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from dlfp.controller import CADENCE, COMPLETION, PrefillPolicy, StepShape
+from dlfp.controller import CADENCE, COMPLETION, Decision, PrefillPolicy, StepShape
 from dlfp.trace import StepRecord, is_capped
 
 # Stamps kept for steps whose output never came back (aborted engine): a bound, not a queue size.
@@ -53,6 +53,7 @@ class Stamp:
     governor: str | None = None  # the thermal governor's decision for this step
     threads: int | None = None  # the backend's step threads (None: not under our control)
     n_decode_held: int = 0  # background decodes the cap kept out of the step
+    decision: Decision | None = None  # why a guarded step has its cap
 
     @property
     def capped(self) -> bool:
@@ -86,6 +87,7 @@ class StepObserver:
         self._prev_capped = False
         self._prev_done: float | None = None  # last completed non-empty step (completion)
         self.last_observed: float | None = None
+        self.decision: Decision | None = None  # the policy's latest decision (None before a guarded step)
 
     # -- planning ----------------------------------------------------------
     def begin(self, guarded: bool, n_decode: int | None = None) -> int | None:
@@ -101,7 +103,8 @@ class StepObserver:
             self.policy.reset()
             self._epoch += 1
             return None
-        return self.policy.cap(n_decode)
+        self.decision = self.policy.decide(n_decode)
+        return self.decision.cap
 
     def budget_cap(self) -> int | None:
         """The cap for isolated background prefill this step (None: no budget)."""
@@ -113,7 +116,7 @@ class StepObserver:
         """After planning: the step can start on the device from now. An empty step
         (nothing to run) breaks the cadence chain and is never completed."""
         stamp = Stamp(self.clock(), guarded, cap, shape, self._epoch, n_prefill_bg, bg_cap, governor, threads,
-                      n_decode_held)
+                      n_decode_held, self.decision if guarded else None)
         if stamp.empty:
             self._prev_call, self._prev_capped = None, False
             return stamp
@@ -177,7 +180,15 @@ class StepObserver:
             governor=stamp.governor,
             threads=stamp.threads,
             n_decode_held=stamp.n_decode_held,
+            **decision_fields(stamp.decision),
         )
+
+
+def decision_fields(d: Decision | None) -> dict:
+    """The decision record as a step trace row carries it."""
+    if d is None:
+        return {}
+    return {"rule": d.rule, "predicted_ms": d.predicted_ms, "margin": d.margin, "setpoint_ms": d.setpoint_ms}
 
 
 def step_shape(step) -> StepShape:

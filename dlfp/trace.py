@@ -34,6 +34,11 @@ class StepRecord:
     governor: str | None = None  # thermal governor decision, when one runs
     threads: int | None = None  # the backend's step threads, where dlfp controls them
     n_decode_held: int = 0  # background decodes a guarded step's cap kept waiting
+    # The decision record of a guarded step (dlfp.controller.Decision): why it has its cap.
+    rule: str | None = None
+    predicted_ms: float | None = None  # the cost model's time for the planned step
+    margin: float | None = None  # measured / predicted quantile applied to the prediction
+    setpoint_ms: float | None = None  # target / margin
 
     @property
     def capped(self) -> bool:
@@ -145,3 +150,12 @@ def control_counts(steps: list[StepRecord], max_threads: int | None) -> dict:
         "zero_cap_steps": sum(1 for s in steps if s.guarded and s.cap == 0),
         "reduced_thread_steps": sum(1 for s in steps if None not in (s.threads, max_threads) and s.threads < max_threads),
     }
+
+
+def rule_counts(steps: list[StepRecord]) -> dict[str, int]:
+    """Guarded steps per decision rule (dlfp.controller.RULES): which rule set the cap how often."""
+    counts: dict[str, int] = {}
+    for s in steps:
+        if s.guarded and s.rule is not None:
+            counts[s.rule] = counts.get(s.rule, 0) + 1
+    return dict(sorted(counts.items()))

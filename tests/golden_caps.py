@@ -39,7 +39,8 @@ def pass_cost_ms(n: int, decodes: int, pos: float, factor: float) -> float:
 
 def closed_loop(policy, steps: int, seed: int, sigma: float, factor=lambda k: 1.0, decodes_of=lambda k: 1,
                 reset_every: int | None = None, idle_every: int = 6, device_change_at: int | None = None,
-                protected_of=lambda k: None) -> list:
+                protected_of=lambda k: None, decisions: list | None = None, idle_first: int = 0) -> list:
+    """The caps asked over `steps` guarded steps; each step's Decision is appended to `decisions`."""
     c = _controller()
     rng = random.Random(seed)
     caps = []
@@ -49,9 +50,12 @@ def closed_loop(policy, steps: int, seed: int, sigma: float, factor=lambda k: 1.
         if device_change_at is not None and k == device_change_at:
             policy.device_changed(2.0)
         d = decodes_of(k)
-        cap = policy.cap(d)
+        decision = policy.decide(d)
+        cap = decision.cap
         caps.append(cap)
-        n = 0 if cap is None or (idle_every and k % idle_every == idle_every - 1) else cap
+        if decisions is not None:
+            decisions.append(decision)
+        n = 0 if cap is None or k < idle_first or (idle_every and k % idle_every == idle_every - 1) else cap
         pos = (k * 7) % 1800
         f = factor(k) * (2.0 if device_change_at is not None and k >= device_change_at else 1.0)
         ms = pass_cost_ms(n, d, pos, f) * math.exp(rng.gauss(0, sigma))

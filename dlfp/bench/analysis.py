@@ -19,7 +19,7 @@ import numpy as np
 from dlfp.bench.runner import TrialRun
 from dlfp.metrics import itls, percentile, request_metrics, ttft
 from dlfp.sequence import BACKGROUND, FOREGROUND
-from dlfp.trace import RequestRecord, StepRecord, control_counts
+from dlfp.trace import RequestRecord, StepRecord, control_counts, rule_counts
 from dlfp.workloads.schedule import Schedule
 from dlfp.workloads.specs import WorkloadSpec
 
@@ -171,6 +171,7 @@ def _step_stats(steps: list[StepRecord] | None, max_threads: int | None) -> dict
         "steps": len(steps),
         "capped_steps": len(capped),
         **control_counts(steps, max_threads),
+        "decision_rules": rule_counts(steps),
         "capped_step_max_ms": max(s.duration_s for s in capped) * 1e3 if capped else None,
         "step_max_ms": max(s.duration_s for s in steps) * 1e3 if steps else None,
     }

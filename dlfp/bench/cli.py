@@ -166,12 +166,25 @@ def _run_overhead(args: BenchArgs, prof) -> None:
 @click.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--no-table", is_flag=True, help="Only write the plots.")
-def report(directory, no_table):
+@click.option("--trace", "trace_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Draw this step trace (steps-*.jsonl) as a decision timeline into DIRECTORY.")
+@click.option("--target-ms", type=float, default=None, help="With --trace: the ITL target line.")
+def report(directory, no_table, trace_file, target_ms):
     """Plots (PNG) and tables from a `dlfp bench` output folder."""
     from dlfp.bench.plots import PlotError, write_plots
     from dlfp.bench.table import print_result
 
     folder = Path(directory)
+    if trace_file is not None:
+        from dlfp.bench.plots import decision_timeline
+        from dlfp.trace import read_steps
+
+        path = Path(trace_file)
+        steps = read_steps(path)
+        if not steps:
+            raise UserError(f"{path} holds no steps")
+        click.echo(f"wrote {decision_timeline(steps, folder / (path.stem + '-decisions.png'), target_ms, path.stem)}")
+        return
     if (folder / "overhead.json").exists() and not (folder / "trials.jsonl").exists():
         from rich.console import Console
 

@@ -102,33 +102,54 @@ def ttft_vs_itl(folder: Path, rows: list[dict], plt) -> Path:
 
 
 def dlfp_timeline(folder: Path, rows: list[dict], plt, target_ms: float | None) -> Path | None:
-    """Cap and step duration over time for the first seed's DLFP run."""
+    """The decision timeline of the first seed's DLFP run."""
     row = next((r for r in rows if r["policy"] == "dlfp"), None)
     if row is None:
         return None
     steps = read_steps(folder / f"steps-{row['trace_suffix']}.jsonl")
     if not steps:
         return None
-    fig, (ax_d, ax_c) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
-    t = [s.t1 for s in steps]
-    ax_d.scatter(t, [s.duration_s * 1e3 for s in steps], s=4,
+    return decision_timeline(steps, folder / "dlfp_cap_timeline.png", target_ms, f"DLFP run, seed {row['seed']}")
+
+
+def decision_timeline(steps: list, out: Path, target_ms: float | None, title: str, plt=None) -> Path:
+    """Any step trace as three lanes on one time axis: each step's time against the target and
+    the setpoint it was planned for; the cap and the prompt tokens that ran; the rule that set
+    each guarded step's cap (the decision record)."""
+    plt = plt or _pyplot()
+    fig, (ax_d, ax_c, ax_r) = plt.subplots(3, 1, figsize=(9, 7), sharex=True,
+                                           gridspec_kw={"height_ratios": [3, 2, 1.4]})
+    ax_d.scatter([s.t1 for s in steps], [s.duration_s * 1e3 for s in steps], s=4,
                  c=["tab:red" if s.guarded else "tab:grey" for s in steps])
+    planned = [s for s in steps if s.guarded and s.setpoint_ms is not None]
+    if planned:
+        ax_d.step([s.t1 for s in planned], [s.setpoint_ms for s in planned], where="post", lw=0.8,
+                  color="tab:green", label="setpoint (target / margin)")
     if target_ms:
         ax_d.axhline(target_ms, color="tab:blue", ls="--", lw=1, label=f"target {target_ms:g} ms")
-        ax_d.legend(loc="upper right")
+    if planned or target_ms:
+        ax_d.legend(loc="upper right", fontsize=8)
     ax_d.set_yscale("log")
-    ax_d.set_ylabel("step duration (ms)\nred: foreground decodes")
+    ax_d.set_ylabel("step time (ms)\nred: foreground decodes")
     guarded = [s for s in steps if s.guarded and s.cap is not None]
     ax_c.step([s.t1 for s in guarded], [s.cap for s in guarded], where="post", label="cap (guarded steps)")
-    ax_c.scatter([s.t1 for s in steps if s.n_prefill_fg + s.n_prefill_bg],
-                 [s.n_prefill_fg + s.n_prefill_bg for s in steps if s.n_prefill_fg + s.n_prefill_bg],
-                 s=4, color="tab:orange", label="prompt tokens in step")
-    ax_c.set_yscale("log")
+    ran = [s for s in steps if s.n_prefill_fg + s.n_prefill_bg]
+    ax_c.scatter([s.t1 for s in ran], [s.n_prefill_fg + s.n_prefill_bg for s in ran], s=4, color="tab:orange",
+                 label="prompt tokens in step")
+    ax_c.set_yscale("symlog", linthresh=1)
     ax_c.set_ylabel("tokens")
-    ax_c.set_xlabel("time since trial start (s)")
-    ax_c.legend(loc="upper right")
-    ax_d.set_title(f"DLFP run, seed {row['seed']}")
-    return _save(fig, folder / "dlfp_cap_timeline.png", plt)
+    ax_c.legend(loc="upper right", fontsize=8)
+    decided = [s for s in steps if s.guarded and s.rule is not None]
+    rules = sorted({s.rule for s in decided})
+    for k, rule in enumerate(rules):
+        ts = [s.t1 for s in decided if s.rule == rule]
+        ax_r.scatter(ts, [k] * len(ts), s=6, marker="|")
+    ax_r.set_yticks(range(len(rules)), rules, fontsize=8)
+    ax_r.set_ylim(-0.6, max(len(rules), 1) - 0.4)
+    ax_r.set_ylabel("rule")
+    ax_r.set_xlabel("time since trial start (s)")
+    ax_d.set_title(title)
+    return _save(fig, out, plt)
 
 
 def sweep_plot(folder: Path, rows: list[dict], sweep: dict | None, plt, target_ms: float | None) -> Path | None:

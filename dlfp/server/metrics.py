@@ -35,7 +35,7 @@ class ServerMetrics:
         self.rejected = Counter("dlfp_requests_rejected", "Requests refused before the engine, per status code",
                                 ["status"], registry=r)
         load = engine.load
-        Gauge("dlfp_prefill_cap_tokens", "The policy's prefill cap for the next guarded step (NaN: uncapped)",
+        Gauge("dlfp_prefill_cap_tokens", "The prefill cap of the latest guarded step (NaN: uncapped, or none yet)",
               registry=r).set_function(lambda: _or_nan(load()["cap"]))
         waiting = Gauge("dlfp_requests_waiting", "Requests queued for a sequence slot, per class",
                         ["priority"], registry=r)
@@ -49,6 +49,10 @@ class ServerMetrics:
               registry=r).set_function(lambda: _held(engine))
         Gauge("dlfp_step_threads", "Threads the backend's steps run on (lowered while other programs hold cores)",
               registry=r).set_function(lambda: _or_nan(engine.backend.threads))
+        self.rules = Counter("dlfp_guarded_steps", "Guarded steps per decision rule: what set the cap "
+                             "(dlfp.controller.RULES)", ["rule"], registry=r)
+        Gauge("dlfp_controller_setpoint_seconds", "The step time the latest guarded decision planned for "
+              "(target / margin; NaN: none yet)", registry=r).set_function(lambda: _setpoint_s(engine))
         self.in_flight = Gauge("dlfp_requests_in_flight", "Requests accepted and not yet finished", registry=r)
         engine.step_hooks.append(self.on_step)
 
@@ -56,6 +60,8 @@ class ServerMetrics:
         self.step.labels("yes" if rec.guarded else "no").observe(rec.duration_s)
         self.prefill.labels("foreground").inc(rec.n_prefill_fg)
         self.prefill.labels("background").inc(rec.n_prefill_bg)
+        if rec.rule is not None:
+            self.rules.labels(rec.rule).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -64,6 +70,11 @@ class ServerMetrics:
 def _held(engine: Engine) -> float:
     governor = engine.background_gate
     return 1.0 if getattr(governor, "reason", None) is not None else 0.0
+
+
+def _setpoint_s(engine: Engine) -> float:
+    decision = engine.observer.decision
+    return float("nan") if decision is None or decision.setpoint_ms is None else decision.setpoint_ms / 1e3
 
 
 def _or_nan(value: float | None) -> float:
