@@ -299,6 +299,24 @@ class Engine:
         for seq in list(self._seqs.values()):
             self._finish(seq, FinishReason.ERROR, message, free_slot=False)  # the runtime is gone
 
+    def step(self) -> bool:
+        """One pass of the loop: take what was submitted or aborted, then plan, run, observe
+        and deliver one step if there is work. Returns whether a step was planned.
+
+        The engine thread calls it; `dlfp study` calls it directly (no thread started) on
+        the simulated backend and a virtual clock, so both run the same admission,
+        planning, observation and update."""
+        self._take_inbox()
+        if not self.scheduler.has_work() and self._in_flight is None:
+            return False
+        self._step()
+        return True
+
+    def _take_inbox(self) -> None:
+        with self._wake:
+            inbox, self._inbox = self._inbox, []
+        self._take(inbox)
+
     def _loop(self) -> None:
         failures = 0
         while True:
@@ -306,16 +324,13 @@ class Engine:
                 idle = not self.scheduler.has_work() and self._in_flight is None
                 if not self._inbox and idle and not self._stop:
                     self._wake.wait(self.config.idle_wait_s)
-                inbox, self._inbox = self._inbox, []
                 stop = self._stop
-            self._take(inbox)
             if stop:
+                self._take_inbox()
                 self._drain()
                 return
-            if not self.scheduler.has_work() and self._in_flight is None:
-                continue
             try:
-                self._step()
+                self.step()
                 failures = 0
             except Exception as exc:  # noqa: BLE001 - not pinned on a request: fail the running ones
                 failures += 1

@@ -10,7 +10,7 @@ One simulated run: a chat (prompt 256, 48 tokens out, 2 s think time between
 turns) for `duration` seconds while background documents of `doc_len` tokens
 (8 out) are always queued; during the middle third every step costs `shift`
 times more. The loop is the engine's core (admit, plan under the cap, time the
-step, observe, deliver) on a virtual clock, without threads or logits.
+step, observe, deliver: `Engine.step`) on a virtual clock, without its thread.
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from typing import Callable
 import click
 import numpy as np
 
-from dlfp.backends.sim import ReplayNoise, SimBackend, replay_noise
-from dlfp.observer import StepObserver, step_shape
-from dlfp.controller import (
-    DLFP, DLFPParams, FixedCap, PrefillPolicy, TailDLFP, make_budget_policy,
-)
-from dlfp.scheduler import Scheduler
-from dlfp.sequence import BACKGROUND, FOREGROUND, Request, Sequence
+from dlfp.assembly import build_engine
+from dlfp.backends.sim import ReplayNoise, SimBackend, VirtualClock, replay_noise
+from dlfp.controller import DLFP, DLFPParams, FixedCap, PrefillPolicy, TailDLFP
+from dlfp.devices.profiles import DeviceProfile
+from dlfp.provenance import write_config
+from dlfp.sequence import BACKGROUND, FOREGROUND, Request
+from dlfp.trace import RequestRecord, StepRecord
 
 CHAT_PROMPT, CHAT_OUT, THINK_S = 256, 48, 2.0
 DOC_OUT, DOCS_QUEUED = 8, 4
@@ -64,58 +64,51 @@ def designs(params: DLFPParams, caps: list[int]) -> dict[str, Callable[[], Prefi
     return out
 
 
-def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: int,
+def simulate(cond: Condition, policy: PrefillPolicy, noise: ReplayNoise, seed: int, profile: DeviceProfile,
              duration_s: float = 90.0, n_batch: int = 512) -> dict:
+    """One run through the engine's own step (`Engine.step`) on a virtual clock: the same
+    admission, planning, observation and update as a real run, with the profile's
+    preemption budget; only the backend (SIMULATED) and the clock differ."""
     rng = np.random.default_rng(seed)
     noise = replace(noise, offset=int(rng.integers(len(noise.ratios))))
-    backend = SimBackend(noise=noise, max_sequences=4, context=max(2048, cond.doc_len + 64),
+    clock = VirtualClock()
+    backend = SimBackend(noise=noise, clock=clock, max_sequences=4, context=max(2048, cond.doc_len + 64),
                          max_batch_tokens=n_batch)
-    sched = Scheduler(backend.capabilities)
-    t, turn, docs = 0.0, 0, 0
-    # The engine's own observer decides what the policies are fed (resets, guarded and
-    # budgeted steps), on the virtual clock.
-    obs = StepObserver(policy, lambda: t, budget=make_budget_policy(0.5, 32, n_batch))
-    next_turn = 1.0 + float(rng.uniform(0, 1))
-    fg_done: list[Sequence] = []
-    steps: list[tuple[float, float, int, bool, int | None]] = []  # (t0, t1, bg tokens, guarded, cap)
+    engine = build_engine(backend, policy, profile, probe_period_s=None, governor=False, clock=clock.now,
+                          start=False)
+    state = {"next_turn": 1.0 + float(rng.uniform(0, 1))}
+    fg_done: list[RequestRecord] = []
 
-    def add(priority: str, n_in: int, n_out: int, now: float) -> None:
+    def add(priority: str, n_in: int, n_out: int) -> None:
         ids = rng.integers(1, 1000, n_in).tolist()
-        sched.add(Sequence(Request(ids, n_out, priority, ignore_eos=True), arrival_s=now))
+        handle = engine.submit(Request(ids, n_out, priority, ignore_eos=True), on_event=lambda ev: on_event(ev, handle))
+
+    def on_event(ev, handle) -> None:
+        if ev.finish_reason is None:
+            return
+        if handle.request.priority == FOREGROUND:  # the record is written before the final event
+            fg_done.append(engine.trace.requests[-1])
+            state["next_turn"] = ev.t + THINK_S
+        else:
+            add(BACKGROUND, cond.doc_len, DOC_OUT)
 
     for _ in range(DOCS_QUEUED):
-        add(BACKGROUND, cond.doc_len, DOC_OUT, 0.0)
-        docs += 1
-    while t < duration_s:
-        if next_turn is not None and t >= next_turn:
-            add(FOREGROUND, CHAT_PROMPT, CHAT_OUT, next_turn)
-            turn, next_turn = turn + 1, None
-        sched.admit()
-        cap = obs.begin(sched.guarded(), len(sched.decoding()))
-        step = sched.plan(cap, obs.budget_cap(), now=t)
-        obs.scheduled(len(steps), step.guarded, step.cap, step_shape(step),
-                      n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, n_decode_held=step.n_decode_held)
-        if step.plan.is_empty():
-            t = next_turn if next_turn is not None else duration_s
+        add(BACKGROUND, cond.doc_len, DOC_OUT)
+    while clock.t < duration_s:
+        if state["next_turn"] is not None and clock.t >= state["next_turn"]:
+            add(FOREGROUND, CHAT_PROMPT, CHAT_OUT)
+            state["next_turn"] = None
+        backend.cost_factor = cond.shift if int(3 * clock.t / duration_s) == 1 else 1.0
+        if not engine.step():
+            clock.t = state["next_turn"] if state["next_turn"] is not None else duration_s
             continue
-        third = int(3 * t / duration_s)
-        backend.cost_factor = cond.shift if third == 1 else 1.0
-        d = backend.time_step(step.plan)
-        t0 = t
-        obs.completed(len(steps), duration_s=d)
-        t = t + d + STEP_OVERHEAD_S
-        steps.append((t0, t, step.n_prefill_bg, step.guarded, step.cap))
-        for seq in sched.update(step, {slot: 1 for slot in step.sampled_slots()}, t).finished:
-            if seq.priority == FOREGROUND:
-                fg_done.append(seq)
-                next_turn = t + THINK_S
-            else:
-                add(BACKGROUND, cond.doc_len, DOC_OUT, t)
-                docs += 1
-    return _metrics(cond, fg_done, steps, duration_s, getattr(policy, "zero_steps", 0))
+        clock.t += STEP_OVERHEAD_S
+    zero_steps = getattr(policy, "zero_steps", 0)
+    return _metrics(cond, fg_done, engine.trace.steps, duration_s, zero_steps)
 
 
-def _metrics(cond: Condition, fg: list[Sequence], steps: list, duration_s: float, zero_steps: int) -> dict:
+def _metrics(cond: Condition, fg: list[RequestRecord], steps: list[StepRecord], duration_s: float,
+             zero_steps: int) -> dict:
     bounds = [duration_s * k / 3 for k in range(4)]
     out: dict = {"turns": len(fg), "zero_cap_steps": zero_steps}
     itl_all: list[float] = []
@@ -124,7 +117,7 @@ def _metrics(cond: Condition, fg: list[Sequence], steps: list, duration_s: float
         itl = [b - a for s in fg for a, b in zip(s.token_times, s.token_times[1:]) if lo <= b < hi]
         windows = [(max(lo, s.arrival_s), min(hi, s.finished_s)) for s in fg if s.finished_s > lo and s.arrival_s < hi]
         active = sum(b - a for a, b in windows)
-        bg = sum(n for _, t1, n, _, _ in steps if any(a <= t1 <= b for a, b in windows))
+        bg = sum(st.n_prefill_bg for st in steps if any(a <= st.t1 <= b for a, b in windows))
         out[phase] = {"itl_p99_ms": _p(itl, 99), "itl_max_ms": max(itl) * 1e3 if itl else None,
                       "bg_tok_s_fg_active": bg / active if active else None}
         itl_all += itl
@@ -133,8 +126,8 @@ def _metrics(cond: Condition, fg: list[Sequence], steps: list, duration_s: float
     out["itl_p50_ms"] = _p(itl_all, 50)
     out["itl_p99_ms"] = _p(itl_all, 99)
     out["itl_max_ms"] = max(itl_all) * 1e3 if itl_all else None
-    out["bg_tok_s_fg_active"] = sum(n for _, t1, n, _, _ in steps if any(a <= t1 <= b for a, b in windows)) / active \
-        if active else None
+    out["bg_tok_s_fg_active"] = sum(st.n_prefill_bg for st in steps if any(a <= st.t1 <= b for a, b in windows)) \
+        / active if active else None
     return out
 
 
@@ -173,7 +166,8 @@ def summarize(results: list[dict], target_ms: float, phased: bool) -> dict:
 
 def run_study(traces: dict[str, Path], targets: list[float], doc_lens: list[int], shifts: list[float],
               seeds: list[int], caps: list[int], duration_s: float, attention_s: float,
-              base: DLFPParams) -> dict:
+              profile: DeviceProfile) -> dict:
+    base = profile.dlfp_params()
     noises = {label: replay_noise(path, attention_s) for label, path in traces.items()}
     out = {"simulated": True, "traces": {k: str(v) for k, v in traces.items()},
            "fitted_cost": {k: asdict(n.fitted) for k, n in noises.items()},
@@ -187,7 +181,7 @@ def run_study(traces: dict[str, Path], targets: list[float], doc_lens: list[int]
                     results = []
                     for name, make in designs(params, caps).items():
                         for seed in seeds:
-                            r = simulate(cond, make(), noise, seed, duration_s)
+                            r = simulate(cond, make(), noise, seed, profile, duration_s)
                             results.append({"design": name, "seed": seed, **r})
                     out["conditions"].append({"condition": asdict(cond), "name": cond.name,
                                               "summary": summarize(results, target, shift != 1), "runs": results})
@@ -257,14 +251,13 @@ def study(traces, targets_ms, doc_lens, shifts, caps, seeds, duration_s, attenti
         if not Path(path).is_file():
             raise UserError(f"--trace {path}: no such file")
         paths[label] = Path(path)
-    base = get_profile(profile).dlfp_params()
     try:
         result = run_study(paths, _floats(targets_ms), [int(x) for x in _floats(doc_lens)], _floats(shifts),
                            [int(x) for x in _floats(seeds)], [int(x) for x in _floats(caps)], duration_s,
-                           attention_us * 1e-6 / 1024, base)
+                           attention_us * 1e-6 / 1024, get_profile(profile))
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    out.mkdir(parents=True, exist_ok=True)
+    write_config(out, {"simulated": True, "profile": profile, "traces": {k: str(v) for k, v in paths.items()}})
     (out / "study.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
     (out / "study.md").write_text(text + "\n")
