@@ -294,7 +294,7 @@ def check_capabilities(backend: Backend) -> str:
 def _engine_two_requests(backend: Backend) -> str:
     """The real engine serves two requests at once exactly as it serves each alone."""
     from dlfp.assembly import build_engine
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
     from dlfp.sequence import Request
 
     prompts = [prompt(backend, 24), prompt(backend, 24, variant=1)]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlfp.devices.probes import ProbeSet
-from dlfp.devices.profiles import load_profile
+from dlfp.devices.profile_files import profile_text
 from dlfp.devices.reading import Reading, is_live
 
 # GPU name patterns -> profile (first match wins)
@@ -34,7 +34,7 @@ def detect_profile(root: str | Path = "/", readings: list[Reading] | None = None
                    override: str | None = None) -> Detection:
     """The profile for this machine (or the tree under root); raises ValueError for a bad override."""
     if override:
-        load_profile(override)  # one clear error for an unknown name
+        profile_text(override)  # one clear error for an unknown name
         return Detection(override, "chosen by flag", overridden=True)
     if readings is None:
         with ProbeSet(root) as probes:

@@ -22,7 +22,7 @@ from typing import Callable
 
 from dlfp.protocol import Backend
 from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
-from dlfp.devices.profiles import DeviceProfile
+from dlfp.profiles import DeviceProfile
 from dlfp.engine import Engine, EngineConfig
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.trace import Trace

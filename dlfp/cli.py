@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dlfp.devices.profiles import load_profile
+from dlfp.profiles import load_profile
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 
 POLICY_HELP = "comma-separated: unbounded, dlfp, dlfp-paper, dlfp-cadence, fixed:N"

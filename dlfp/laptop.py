@@ -21,7 +21,7 @@ from dlfp.protocol import Backend
 from dlfp.assembly import build_engine, make_policy
 from dlfp.controller import PrefillPolicy, params_to_dict
 from dlfp.devices.energy import energy_report
-from dlfp.devices.profiles import DeviceProfile
+from dlfp.profiles import DeviceProfile
 from dlfp.engine import Engine, InvalidRequest
 from dlfp.metrics import itls, percentile, ttft
 from dlfp.prefix_cache import DEFAULT_HOLD_S

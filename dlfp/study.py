@@ -1,6 +1,6 @@
 """`dlfp study`: compare cap designs over many conditions in seconds (SIMULATED).
 
-Every figure here comes from the SIMULATED backend (backends/sim.py): a linear
+Every figure here comes from the SIMULATED backend (dlfp/sim.py): a linear
 step-cost model fitted to a real llama.cpp step trace (`steps-*.jsonl`), with
 each recorded step's ratio to the fit replayed in order, so simulated steps carry
 the real device's spread and its bursts. It is a design tool, never a device
@@ -23,9 +23,9 @@ import click
 import numpy as np
 
 from dlfp.assembly import build_engine
-from dlfp.backends.sim import ReplayNoise, SimBackend, VirtualClock, replay_noise
+from dlfp.sim import ReplayNoise, SimBackend, VirtualClock, replay_noise
 from dlfp.controller import DLFP, DLFPParams, FixedCap, PrefillPolicy, TailDLFP
-from dlfp.devices.profiles import DeviceProfile
+from dlfp.profiles import DeviceProfile
 from dlfp.provenance import write_config
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import RequestRecord, StepRecord

@@ -67,7 +67,7 @@ ALL = (
                 "--model: a Hugging Face folder, or a bundled config (tiny, qwen3-0.6b, qwen3-8b) with random weights",
                 options=("n_threads",),
                 install="install torch (scripts/setup.d/executorch.sh puts the CPU build in .venv)"),
-    TargetEntry("sim", OWNED_LOOP, "dlfp.backends.sim:from_profile",
+    TargetEntry("sim", OWNED_LOOP, "dlfp.sim:from_profile",
                 "SIMULATED latency model for controller studies; never a measurement", simulated=True),
     TargetEntry("vllm", EXTERNAL, "dlfp.backends.vllm.target:make_target",
                 "vLLM in-process with dlfp's scheduler plug-in (a GPU machine)", default_profile="a100-paper",

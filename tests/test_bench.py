@@ -216,7 +216,7 @@ def test_overhead_against_llama_cpp_python(tiny_gguf):
     from dlfp.protocol import Limits
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
     from dlfp.bench.overhead import measure_overhead
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
 
     backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(4, 512, 128), n_threads=1))
     try:

@@ -4,7 +4,7 @@ import math
 
 from golden_caps import closed_loop
 
-from dlfp.backends.sim import SimBackend, SimCost, VirtualClock
+from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.controller import RULES, DLFP, DLFPParams, FixedCap, TailDLFP, Unbounded
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request

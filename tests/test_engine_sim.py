@@ -1,7 +1,7 @@
 """The engine loop against the SIMULATED backend (a latency model, not a device)."""
 import pytest
 
-from dlfp.backends.sim import SimBackend, SimCost, VirtualClock
+from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.controller import DLFP, DLFPParams, FixedCap, Unbounded
 from dlfp.engine import Engine, EngineConfig, InvalidRequest
 from dlfp.metrics import itls
@@ -229,7 +229,7 @@ def test_replay_noise_from_a_recorded_trace(tmp_path):
     # SIMULATED backend replaying a step trace: fitted cost and per-step ratios, in order.
     import json
 
-    from dlfp.backends.sim import replay_noise
+    from dlfp.sim import replay_noise
 
     rows = []
     for k in range(40):

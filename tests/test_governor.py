@@ -5,10 +5,10 @@ import statistics
 
 import pytest
 
-from dlfp.backends.sim import SimBackend, SimCost, VirtualClock
+from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.controller import DLFP, DLFPParams
 from dlfp.devices.governor import CLEAR, ThermalGovernor
-from dlfp.devices.profiles import load_profile
+from dlfp.profiles import load_profile
 from dlfp.devices.reading import Reading, unavailable
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request

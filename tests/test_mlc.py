@@ -203,7 +203,7 @@ def test_kept_prefix_matches_a_cold_prefill_and_the_engine_reuses_it(backend):
 
 def test_registry_loads_step_mode_from_the_profile(tiny_mlc):
     from dlfp.targets import load_backend
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
 
     b = load_backend("mlc", str(tiny_mlc), load_profile("cpu-laptop"), n_threads=1)
     prof = load_profile("cpu-laptop")

@@ -23,7 +23,7 @@ from dlfp.backends.mlc.engine_mode import (
     make_target,
     metrics_dict,
 )
-from dlfp.devices.profiles import load_profile
+from dlfp.profiles import load_profile
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 
 

@@ -54,7 +54,7 @@ def test_trial_builds_each_turn_from_the_reply_and_reuse_changes_no_token(tiny_g
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
     from dlfp.protocol import Limits
     from dlfp.bench.target import EngineTarget
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
 
     backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(4, 512, 64), n_threads=1))
     try:

@@ -6,11 +6,11 @@ import pytest
 from click.testing import CliRunner
 
 from dlfp.assembly import build_engine, engine_config, is_stock
-from dlfp.backends.sim import SimBackend, VirtualClock
+from dlfp.sim import SimBackend, VirtualClock
 from dlfp.cli import main
 from dlfp.controller import DLFP, COMPLETION, DLFPParams, StepShape, params_from_dict, params_to_dict
 from dlfp.devices.governor import ThermalGovernor
-from dlfp.devices.profiles import load_profile
+from dlfp.profiles import load_profile
 from dlfp.observer import StepObserver
 from dlfp.targets import EXTERNAL, OWNED_LOOP, TARGETS, get_target
 

@@ -248,10 +248,10 @@ def test_the_hold_time_reaches_the_scheduler_from_every_entry_point():
     from click.testing import CliRunner
 
     from dlfp.assembly import build_engine
-    from dlfp.backends.sim import SimBackend
+    from dlfp.sim import SimBackend
     from dlfp.bench.cli import bench
     from dlfp.cli import main
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
     from dlfp.prefix_cache import DEFAULT_HOLD_S
 
     profile = load_profile("cpu-laptop")

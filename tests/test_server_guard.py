@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 from tiny_gguf import CHATML, write_tiny_gguf  # noqa: E402
 
-from dlfp.backends.sim import SimBackend  # noqa: E402
+from dlfp.sim import SimBackend  # noqa: E402
 from dlfp.cli import get_profile, open_backend  # noqa: E402
 from dlfp.controller import Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dlfp.backends.sim import SimBackend, SimCost, VirtualClock
+from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.controller import DLFPParams, TailDLFP
 from dlfp.devices.cpu import CpuProbe, LoadWatch, OtherLoad
 from dlfp.devices.threads import ThreadGovernor
@@ -107,7 +107,7 @@ def test_the_assembled_governor_reads_load_on_its_own_thread(tiny_gguf):
     from dlfp.assembly import build_engine
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
     from dlfp.protocol import Limits
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
 
     backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(2, 256, 64), n_threads=2))
     engine = build_engine(backend, "dlfp", load_profile("cpu-laptop"), probe_period_s=None, start=False)

@@ -398,7 +398,7 @@ class FakeNvml:
 def test_target_refuses_unrelated_gpu_processes(tmp_path):
     from dlfp.backends.vllm.gpu import GpuBusy, check_exclusive, describe_gpus, energy_mj
     from dlfp.backends.vllm.target import VllmTarget, make_target, own_process_tree
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
 
     mine = own_process_tree()
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
@@ -419,7 +419,7 @@ def test_target_refuses_unrelated_gpu_processes(tmp_path):
 def test_target_engine_args_per_policy():
     from dlfp.backends.vllm.settings import PluginSettings
     from dlfp.backends.vllm.target import engine_args
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
 
     prof = load_profile("a100-paper")
     params = prof.dlfp_params()
@@ -502,7 +502,7 @@ def test_decodes_still_go_first_with_kv_to_spare(model_dir, cls):
 def test_plugin_settings_travel_outside_the_compile_hash(tmp_path):
     from dlfp.backends.vllm.settings import PluginSettings
     from dlfp.backends.vllm.target import engine_args, plugin_env
-    from dlfp.devices.profiles import load_profile
+    from dlfp.profiles import load_profile
 
     prof = load_profile("a100-paper")
     runs = [PluginSettings(p, prof.dlfp_params(), str(tmp_path / f"{p}.jsonl")) for p in ("dlfp", "dlfp-cadence")]

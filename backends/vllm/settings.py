@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from dlfp.controller import DLFPParams, PrefillPolicy, params_from_dict, params_to_dict, parse_policy
-from dlfp.devices.profiles import load_profile
+from dlfp.profiles import load_profile
 
 CONFIG_KEY = "dlfp"
 DEFAULT_PROFILE = "a100-paper"

@@ -36,7 +36,7 @@ from dlfp.backends.vllm.gpu import check_cuda_driver, check_exclusive, describe_
 from dlfp.backends.vllm.settings import CONFIG_KEY, PluginSettings
 from dlfp.backends.vllm.version import SUPPORTED_VLLM
 from dlfp.controller import parse_policy
-from dlfp.devices.profiles import DeviceProfile
+from dlfp.profiles import DeviceProfile
 from dlfp.sequence import Request
 from dlfp.trace import RequestRecord, Trace, read_steps
 from dlfp.workloads.schedule import WARMUP_TAG

@@ -133,12 +133,16 @@ def _prompt_pool(kind: str, target, tokenizer: str | None = None) -> tuple[list[
 
 
 def _gguf_pool(path: str) -> list[int]:
-    from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
-    from dlfp.protocol import Limits, ModelLoadError
+    from dataclasses import replace
 
+    from dlfp.profiles import load_profile
+    from dlfp.protocol import ModelLoadError
+    from dlfp.targets import load_backend
+
+    profile = replace(load_profile("cpu-laptop"), max_sequences=1, context_per_sequence=64, max_batch_tokens=32)
     try:
-        backend = LlamaCppBackend(LlamaCppConfig(path, limits=Limits(1, 64, 32), n_threads=1))
-    except (ImportError, ModelLoadError) as exc:
+        backend = load_backend("llamacpp", path, profile, n_threads=1)
+    except (ValueError, OSError, ModelLoadError) as exc:
         raise BenchError(f"--tokenizer {path}: {exc}") from None
     try:
         return text_pool(lambda text: backend.tokenize(text, add_special=False))

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Callable
 
-from dlfp.backends.llamacpp import LlamaCppBackend
+from dlfp.protocol import Backend
 from dlfp.assembly import build_engine
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.workloads.tokens import make_prompts
@@ -34,7 +34,7 @@ class OverheadError(RuntimeError):
 
 
 def measure_overhead(
-    backend: LlamaCppBackend, profile, itl_target_ms: float | None = None,
+    backend: Backend, profile, itl_target_ms: float | None = None,
     prompt_len: int = 32, n_tokens: int = 128, repeats: int = 3,
 ) -> dict:
     caps = backend.capabilities

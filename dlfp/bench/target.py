@@ -12,7 +12,7 @@ from typing import Protocol
 from dlfp.assembly import build_engine
 from dlfp.protocol import Backend
 from dlfp.controller import params_to_dict
-from dlfp.devices.profiles import DeviceProfile
+from dlfp.profiles import DeviceProfile
 from dlfp.engine import Engine
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sequence import Request

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import MISSING, dataclass, fields
-from importlib import resources
-from pathlib import Path
 
 from dlfp.protocol import Limits
 from dlfp.controller import DLFPParams
+from dlfp.devices.profile_files import bundled_profiles, profile_text
 
 
 @dataclass(frozen=True)
@@ -55,21 +54,12 @@ class DeviceProfile:
 
 
 def available_profiles() -> list[str]:
-    folder = resources.files("dlfp.devices") / "profiles"
-    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+    return bundled_profiles()
 
 
 def load_profile(name_or_path: str) -> DeviceProfile:
     """A bundled profile by name (`cpu-laptop`) or a TOML file by path."""
-    path = Path(name_or_path)
-    if path.suffix == ".toml" and path.exists():
-        text = path.read_text()
-    else:
-        res = resources.files("dlfp.devices") / "profiles" / f"{name_or_path}.toml"
-        if not res.is_file():
-            raise ValueError(f"unknown device profile {name_or_path!r}; bundled: {', '.join(available_profiles())}")
-        text = res.read_text()
-    data = tomllib.loads(text)
+    data = tomllib.loads(profile_text(name_or_path))
     known = {f.name for f in fields(DeviceProfile)}
     unknown = set(data) - known
     required = {f.name for f in fields(DeviceProfile) if f.default is MISSING}
