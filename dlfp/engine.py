@@ -156,6 +156,7 @@ class Engine:
         caps = backend.capabilities
         self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos, self.config.prefix_reuse,
                                    self.config.prefix_hold_s)
+        self.trace.slot_evictions = self.scheduler.cache.evictions  # counted where slots are chosen
         budget = None
         if self.config.preemption_budget_s is not None:
             budget = make_budget_policy(self.config.preemption_budget_s, self.config.preemption_initial,
@@ -509,6 +510,7 @@ class Engine:
             finished_s=seq.finished_s,
             n_prefill_chunks=seq.n_prefill_chunks,
             cached_prompt_tokens=seq.n_cached,
+            preemptions=seq.preemptions,
         )
         self.trace.add_request(record)
         return record

@@ -17,11 +17,23 @@ Choosing a slot for a foreground request:
 2. otherwise a slot to evict, in order: empty, background, then the least recently
    used live conversation.
 
-A background request never evicts a live conversation while another free slot can
-serve it (empty or background); it waits instead. So that background work always
-progresses, a live conversation's slot is given up when it is the only kind of
-free slot and no background request holds any slot (at least one slot is always
-usable by background work; the longest-idle conversation pays).
+Background requests hold at most the slots the conversations leave: the slot
+count less the conversations (foreground requests running, and free slots holding
+a live conversation), and at least one, so background work always progresses. A
+background request never evicts a live conversation while another free slot can
+serve it (empty or background); it waits instead. A live conversation's slot is
+given up to background work only when it is the only kind of free slot and no
+background request holds any slot (the longest-idle conversation pays).
+
+A conversation that needs a slot while background requests hold more than their
+share takes one of theirs instead of another conversation's prefix: the scheduler
+preempts a background request still loading its prompt (it resumes later from its
+first token, as vLLM preempts by recompute). Under a prefill cap a background
+prompt advances slowly; were conversations to share what documents leave, each new
+turn would evict another conversation's prefix and re-prefill its whole history
+under the cap, slowing the documents further (a circle an uncapped runtime never
+enters, its documents leave quickly). Every eviction is counted by reason
+(`evictions`).
 
 The slot keeps the common prefix and drops the rest; at least one prompt token is
 always left to prefill, since the first output token needs the last prompt
@@ -32,6 +44,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dlfp.sequence import FOREGROUND
+
+# Why a slot's content was dropped for another request (PrefixCache.evictions).
+EVICT_CONVERSATION_FOR_FOREGROUND = "conversation_for_foreground"  # another conversation's new turn
+EVICT_CONVERSATION_FOR_BACKGROUND = "conversation_for_background"  # background work had no other slot
+PREEMPT_BACKGROUND = "background_preempted"  # a loading background request gave its slot to a conversation
+EVICTION_REASONS = (EVICT_CONVERSATION_FOR_FOREGROUND, EVICT_CONVERSATION_FOR_BACKGROUND, PREEMPT_BACKGROUND)
 
 DEFAULT_HOLD_S = 120.0  # a chat's think time between turns is well under this; a closed chat's slot returns after it
 
@@ -74,6 +92,7 @@ class PrefixCache:
         self.hold_s = hold_s
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._clock = 0
+        self.evictions: dict[str, int] = {}  # reason -> count
 
     def free(self) -> list[int]:
         return [s.slot for s in self.slots if not s.busy]
@@ -87,8 +106,33 @@ class PrefixCache:
             return False
         return self.hold_s is None or now - s.last_used_s <= self.hold_s
 
+    def conversations(self, now: float) -> int:
+        """Foreground requests holding a slot, and free slots holding a live conversation."""
+        return sum(1 for s in self.slots if (s.busy and s.priority == FOREGROUND) or (not s.busy and self.live(s, now)))
+
+    def background_share(self, now: float, arriving: int = 0) -> int:
+        """Slots background requests may hold: what the conversations (and `arriving` ones
+        not yet in a slot) leave, at least one."""
+        if not self.enabled:
+            return len(self.slots)
+        return max(1, len(self.slots) - self.conversations(now) - arriving)
+
+    def background_held(self) -> int:
+        return sum(1 for s in self.slots if s.busy and s.priority != FOREGROUND)
+
+    def needs_room(self, prompt: list[int], now: float) -> bool:
+        """A foreground prompt would have to evict a live conversation (or wait for a slot):
+        no free slot is empty, background, or one this prompt continues."""
+        free = [s for s in self.slots if not s.busy]
+        return not any(not self.live(s, now) or self._continues(s, common_prefix(s.tokens, prompt)) for s in free)
+
+    def count(self, reason: str) -> None:
+        self.evictions[reason] = self.evictions.get(reason, 0) + 1
+
     def usable_by_background(self, now: float) -> list[SlotState]:
         """Free slots a background request may take now (see the module docstring)."""
+        if self.background_held() >= self.background_share(now):
+            return []
         free = [s for s in self.slots if not s.busy]
         spare = [s for s in free if not self.live(s, now)]
         if spare or any(s.busy and s.priority != FOREGROUND for s in self.slots):
@@ -107,6 +151,8 @@ class PrefixCache:
             return None
         lcp = {s.slot: common_prefix(s.tokens, prompt) if use else 0 for s in free}
         best = self._choose(free, lcp, priority, now)
+        if self.live(best, now) and not self._continues(best, lcp[best.slot]):
+            self.count(EVICT_CONVERSATION_FOR_FOREGROUND if priority == FOREGROUND else EVICT_CONVERSATION_FOR_BACKGROUND)
         reused = min(lcp[best.slot], len(prompt) - 1)  # leave a token to prefill for the first logits
         best.busy = True
         best.tokens = list(prompt[:reused]) if use else []
@@ -114,8 +160,13 @@ class PrefixCache:
         best.last_used, best.last_used_s = self._tick(), now
         return Grant(best.slot, max(reused, 0))
 
+    @staticmethod
+    def _continues(s: SlotState, lcp: int) -> bool:
+        """The prompt continues the slot's content: their common prefix covers at least half of it."""
+        return lcp > 0 and 2 * lcp >= len(s.tokens)
+
     def _choose(self, free: list[SlotState], lcp: dict[int, int], priority: str, now: float) -> SlotState:
-        continues = [s for s in free if lcp[s.slot] and 2 * lcp[s.slot] >= len(s.tokens)]
+        continues = [s for s in free if self._continues(s, lcp[s.slot])]
         if continues:
             return max(continues, key=lambda s: (lcp[s.slot], -s.last_used))
         if priority != FOREGROUND:  # every slot offered is one background may take

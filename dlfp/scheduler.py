@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dlfp.protocol import PLACEHOLDER_TOKEN, Capabilities, DecodeItem, PrefillChunk, StepPlan
-from dlfp.prefix_cache import DEFAULT_HOLD_S, PrefixCache
+from dlfp.prefix_cache import DEFAULT_HOLD_S, PREEMPT_BACKGROUND, PrefixCache
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
 from dlfp.trace import is_capped
 
@@ -93,6 +93,7 @@ class Scheduler:
                                  hold_s=prefix_hold_s)
         self.fg_reserved_slots = 1 if caps.max_sequences > 1 else 0
         self._turn = 0  # time-slicing position for single-sequence backends
+        self._on_device: dict[int, int] = {}  # slot -> launched steps not yet back (pipelined engines)
 
     @property
     def free_slots(self) -> list[int]:
@@ -117,8 +118,12 @@ class Scheduler:
         """
         admitted = []
         for cls in (FOREGROUND, BACKGROUND):
-            while self.cache.n_free() > self._reserve(cls) and self.waiting[cls]:
+            while self.waiting[cls]:
                 seq = self.waiting[cls][0]
+                if cls == FOREGROUND:
+                    self._make_room(seq, now)
+                if self.cache.n_free() <= self._reserve(cls):
+                    break
                 grant = self.cache.acquire(seq.request.prompt_ids, seq.priority, seq.request.cache_prompt, now)
                 if grant is None:
                     break
@@ -128,6 +133,28 @@ class Scheduler:
                 self.running.append(seq)
                 admitted.append(seq)
         return admitted
+
+    def _make_room(self, seq: Sequence, now: float) -> None:
+        """A conversation that would evict another's prefix (or wait for a slot) takes a
+        background request's slot instead, while background holds more than its share
+        (`dlfp.prefix_cache`): the loading background request with the fewest prompt tokens
+        done (the least work lost) goes back to the head of its queue, to start over."""
+        cache = self.cache
+        if not cache.enabled or not cache.needs_room(seq.request.prompt_ids, now):
+            return
+        if cache.background_held() <= cache.background_share(now, arriving=1):
+            return
+        loading = [s for s in self.running if s.priority != FOREGROUND and s.status == Status.PREFILLING
+                   and not self._on_device.get(s.slot)]
+        if not loading:
+            return
+        victim = min(loading, key=lambda s: (s.n_prefilled - s.n_cached, -self.running.index(s)))
+        self.running.remove(victim)
+        cache.release(victim.slot, None, now)  # its partial prompt is dropped with the slot
+        cache.count(PREEMPT_BACKGROUND)
+        victim.slot, victim.status, victim.n_prefilled, victim.n_cached = None, Status.WAITING, 0, 0
+        victim.preemptions += 1
+        self.waiting[victim.priority].appendleft(victim)
 
     def _reserve(self, cls: str) -> int:
         if cls == FOREGROUND or any(s.priority == FOREGROUND for s in self.running):
@@ -166,6 +193,8 @@ class Scheduler:
         """The step is on its way to the device: its prompts advance now, and each slot it
         samples has one more token in flight, so the next plan can follow it before it is
         back (a pipelined engine; a synchronous one calls `update` right after)."""
+        for slot in _slots(step):
+            self._on_device[slot] = self._on_device.get(slot, 0) + 1
         for chunk in step.plan.prefills:
             seq = step.seqs.get(chunk.seq_id)
             if seq is not None and seq.status != Status.FINISHED:
@@ -184,9 +213,15 @@ class Scheduler:
         ones the step was planned for: a slot freed and reused meanwhile is not touched.
         """
         by_slot = step.seqs or {s.slot: s for s in self.running}
+        for slot in _slots(step):
+            if self._on_device.get(slot, 0) > 1:
+                self._on_device[slot] -= 1
+            else:
+                self._on_device.pop(slot, None)
         for chunk in step.plan.prefills:
             seq = by_slot.get(chunk.seq_id)
-            if seq is not None and seq.status != Status.FINISHED:  # ended during this step: untouched
+            # ended or preempted during this step: untouched
+            if seq is not None and seq.status != Status.FINISHED and seq.slot == chunk.seq_id:
                 seq.n_prefilled = max(seq.n_prefilled, chunk.end)  # a later chunk may be in flight
                 seq.n_prefill_chunks += 1
         out = StepUpdate()
@@ -310,6 +345,10 @@ class Scheduler:
         if decoding and (not prefilling or self._turn % 2):
             return [decoding[(self._turn // 2) % len(decoding)]], []
         return [], prefilling[:1]
+
+
+def _slots(step: PlannedStep) -> set[int]:
+    return {d.seq_id for d in step.plan.decodes} | {c.seq_id for c in step.plan.prefills}
 
 
 def _cached_tokens(seq: Sequence) -> list[int]:

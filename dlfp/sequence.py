@@ -112,6 +112,7 @@ class Sequence:
     status: Status = Status.WAITING
     n_prefilled: int = 0
     n_cached: int = 0  # prompt tokens reused from the slot's cache at admission (never prefilled here)
+    preemptions: int = 0  # times it gave its slot back to a conversation and started over
     n_prefill_chunks: int = 0
     in_flight: int = 0  # tokens of launched steps not yet back (pipelined engines)
     output_ids: list[int] = field(default_factory=list)

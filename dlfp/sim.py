@@ -101,6 +101,7 @@ class SimBackend(Backend):
         sleep: bool = False,
         eos_id: int | None = None,
         noise: ReplayNoise | None = None,
+        prefix_reuse: bool = False,
     ):
         self.cost = cost or (noise.fitted if noise is not None else SimCost())
         self.noise = noise
@@ -118,6 +119,7 @@ class SimBackend(Backend):
             context_per_sequence=context,
             max_batch_tokens=max_batch_tokens,
             vocab_size=vocab_size,
+            prefix_reuse=prefix_reuse,
         )
         self.history: dict[int, list[int]] = {}
         self.plans: list[StepPlan] = []
@@ -163,6 +165,11 @@ class SimBackend(Backend):
 
     def free_sequence(self, seq_id: int) -> None:
         self.history.pop(seq_id, None)
+
+    def keep_prefix(self, seq_id: int, n_tokens: int) -> bool:
+        """The slot's history up to `n_tokens` stays (its logits depend on it, as KV would)."""
+        self.history[seq_id] = self.history.get(seq_id, [])[:n_tokens]
+        return True
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return [b % self.capabilities.vocab_size for b in text.encode()]

@@ -59,6 +59,7 @@ class RequestRecord:
     finished_s: float | None
     n_prefill_chunks: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens reused from a cached prefix (not computed)
+    preemptions: int = 0  # times a background request gave its slot to a conversation and started over
 
     @property
     def ok(self) -> bool:
@@ -73,6 +74,7 @@ class Trace:
     samples: list[dict] = field(default_factory=list)  # probe readings
     notes: list[str] = field(default_factory=list)  # e.g. "target unreachable"
     max_threads: int | None = None  # the backend's full step threads, where dlfp controls them
+    slot_evictions: dict[str, int] = field(default_factory=dict)  # reason -> count (dlfp.prefix_cache)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_step(self, rec: StepRecord) -> None:

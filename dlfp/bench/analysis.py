@@ -68,6 +68,10 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     row["bg_prompt_tok_s_client"] = bg_prompt / window if bg and window > 0 else None
     row["fg_prompt_tokens_reused"] = sum(r.cached_prompt_tokens for r in fg_done)
     row["fg_prompt_tokens_computed"] = row["fg_prompt_tokens"] - row["fg_prompt_tokens_reused"]
+    row["slot_evictions"] = dict(run.trace.slot_evictions)
+    row["bg_preemptions"] = sum(r.preemptions for r in bg)
+    bg_ends = [r.finished_s for r in bg if r.request_id in done_ids and r.finished_s is not None]
+    row["bg_last_done_s"] = max(bg_ends) - run.trace.origin if bg_ends else None
     row.update(_by_turn(fg_done, planned))
     if not run.trace.steps:  # a target that cannot see its steps (an endpoint) has no step figures
         steps = None

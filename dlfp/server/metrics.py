@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dlfp.engine import Engine
+from dlfp.prefix_cache import EVICTION_REASONS
 from dlfp.sequence import PRIORITIES
 from dlfp.trace import StepRecord
 
@@ -53,6 +54,10 @@ class ServerMetrics:
                              "(dlfp.controller.RULES)", ["rule"], registry=r)
         Gauge("dlfp_controller_setpoint_seconds", "The step time the latest guarded decision planned for "
               "(target / margin; NaN: none yet)", registry=r).set_function(lambda: _setpoint_s(engine))
+        evictions = Gauge("dlfp_slot_evictions", "Cached slot contents dropped for another request, per reason "
+                          "(dlfp.prefix_cache)", ["reason"], registry=r)
+        for reason in EVICTION_REASONS:
+            evictions.labels(reason).set_function(lambda reason=reason: engine.trace.slot_evictions.get(reason, 0))
         self.in_flight = Gauge("dlfp_requests_in_flight", "Requests accepted and not yet finished", registry=r)
         engine.step_hooks.append(self.on_step)
 
