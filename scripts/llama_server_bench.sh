@@ -14,6 +14,7 @@
 #   SLOTS=4 CTX_PER_SLOT=2048 (the cpu-laptop profile's)  OUT=runs/llama-server-side-by-side
 #   CACHE_PROMPT=1 (0: every request sends cache_prompt=false)  BENCH_ARGS="..." (extra dlfp bench options)
 #   PORTS="8201 8202 8203"  JOBS=<nproc>  DLFP_LLAMA_SERVER_CACHE=~/.cache/dlfp/llama-server
+#   LLAMA_SERVER=0 (only `dlfp serve` unbounded and dlfp: nothing built, no llama-server arm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,7 @@ CACHE_PROMPT=${CACHE_PROMPT:-1}
 read -r P_LS P_UNB P_DLFP <<<"${PORTS:-8201 8202 8203}"
 JOBS=${JOBS:-$(nproc)}
 BUILD_ONLY=0
+LLAMA_SERVER=${LLAMA_SERVER:-1}
 for arg in "$@"; do
   case "$arg" in
     --build-only) BUILD_ONLY=1 ;;
@@ -68,9 +70,11 @@ build() {
   cp "$CACHE/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"  # only a finished build is cached
 }
 
-[ -x "$BIN" ] || build
-say "llama-server: $BIN"
-[ "$BUILD_ONLY" = 1 ] && { echo "$BIN"; exit 0; }
+if [ "$LLAMA_SERVER" = 1 ] || [ "$BUILD_ONLY" = 1 ]; then
+  [ -x "$BIN" ] || build
+  say "llama-server: $BIN"
+  [ "$BUILD_ONLY" = 1 ] && { echo "$BIN"; exit 0; }
+fi
 
 MODEL=${MODEL:-$("$PY" -c 'from dlfp.models import default_model_path; print(default_model_path())')}
 THREADS=${THREADS:-$("$PY" -c 'from dlfp.protocol import physical_cores; print(physical_cores())')}
@@ -83,16 +87,23 @@ trap cleanup EXIT
 # -fa off: the backend's attention kernels; -np/-c: the cpu-laptop profile's 4 slots of 2048
 # positions (non-unified KV, as dlfp's default); batch sizes stay the server's defaults
 # (n_batch 2048, n_ubatch 512): that is what a user runs.
-"$BIN" -m "$MODEL" --host 127.0.0.1 --port "$P_LS" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" \
-  -c $((SLOTS * CTX_PER_SLOT)) --no-kv-unified --no-repack -fa off --no-webui >"$OUT/llama-server.log" 2>&1 &
-PIDS+=($!)
+ENDPOINTS=()
+if [ "$LLAMA_SERVER" = 1 ]; then
+  "$BIN" -m "$MODEL" --host 127.0.0.1 --port "$P_LS" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" \
+    -c $((SLOTS * CTX_PER_SLOT)) --no-kv-unified --no-repack -fa off --no-webui >"$OUT/llama-server.log" 2>&1 &
+  PIDS+=($!)
+  ENDPOINTS+=(--endpoint "llama-server=http://127.0.0.1:$P_LS/v1")
+fi
 for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
   read -r policy port <<<"$spec"
   "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" \
     >"$OUT/dlfp-serve-$policy.log" 2>&1 &
   PIDS+=($!)
 done
-for port in "$P_LS" "$P_UNB" "$P_DLFP"; do
+ENDPOINTS+=(--endpoint "unbounded=http://127.0.0.1:$P_UNB/v1" --endpoint "dlfp=http://127.0.0.1:$P_DLFP/v1")
+PORTS_UP=("$P_UNB" "$P_DLFP")
+[ "$LLAMA_SERVER" = 1 ] && PORTS_UP+=("$P_LS")
+for port in "${PORTS_UP[@]}"; do
   for _ in $(seq 120); do
     curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
     sleep 1
@@ -108,6 +119,4 @@ say "dlfp bench --workload $WORKLOAD, seeds $SEEDS, $THREADS threads, $SLOTS slo
   --tokenizer "$MODEL" --vocab-size "$("$PY" -c "
 from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
 print(LlamaCppBackend(LlamaCppConfig('$MODEL')).capabilities.vocab_size)")" \
-  --endpoint "llama-server=http://127.0.0.1:$P_LS/v1" \
-  --endpoint "unbounded=http://127.0.0.1:$P_UNB/v1" \
-  --endpoint "dlfp=http://127.0.0.1:$P_DLFP/v1" "${EXTRA[@]}" ${BENCH_ARGS:-}
+  "${ENDPOINTS[@]}" "${EXTRA[@]}" ${BENCH_ARGS:-}
