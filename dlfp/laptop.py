@@ -25,6 +25,8 @@ from dlfp.profiles import DeviceProfile
 from dlfp.engine import Engine, InvalidRequest
 from dlfp.metrics import itls, percentile, ttft
 from dlfp.prefix_cache import DEFAULT_HOLD_S
+from dlfp.provenance import write_config
+from dlfp.runs import compress_traces
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import RequestRecord, Trace, control_counts, rule_counts
 from dlfp.workloads.laptop import ChatScript, Document, chat_messages, summary_messages
@@ -244,10 +246,17 @@ def target_notes(target_ms: float, decode_only_ms: float | None) -> list[str]:
 
 
 def write_outputs(out: Path, summary: dict, sessions: list[Session]) -> None:
+    """summary.json, each session's traces (and their gzip copies, the ones a kept run tracks)
+    and config.json: the command, commit, host, threads and model hash behind the figures."""
     out.mkdir(parents=True, exist_ok=True)
     for s in sessions:
         s.trace.write(out, s.label.replace(":", "-"))
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    compress_traces(out)
+    backend = summary["backend"]
+    write_config(out, {"itl_target_ms": summary["itl_target_ms"], "policies": list(summary["policies"]),
+                       "profile": summary["profile"], "controller": summary["controller"], "backend": backend},
+                 models=[summary["model"]], threads=backend.get("n_threads"))
 
 
 def _ms(x: float | None) -> float | None:

@@ -163,9 +163,35 @@ def _run_overhead(args: BenchArgs, prof) -> None:
     click.echo(f"wrote {out / 'overhead.json'}")
 
 
+def _docs_option(ctx, param, value) -> None:
+    """--docs / --check-docs: the docs' tables against their runs/ folders, then exit (no DIRECTORY)."""
+    if not value:
+        return
+    from dlfp.bench.doc_tables import rewrite_docs
+
+    root = Path.cwd()
+    if not (root / "README.md").is_file():
+        raise UserError(f"{param.opts[0]}: run it from the repository root ({root} has no README.md)")
+    check = param.name == "check_docs"
+    try:
+        stale = rewrite_docs(root, check=check)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{param.opts[0]}: {exc}") from None
+    for path in stale:
+        click.echo(f"{'differs from its runs' if check else 'redrawn'}: {path.relative_to(root)}")
+    if not stale:
+        click.echo("every table matches its runs/ folder")
+    ctx.exit(1 if check and stale else 0)
+
+
 @click.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--no-table", is_flag=True, help="Only write the plots.")
+# Eager, so that they run before DIRECTORY is asked for: they act on the docs, not on one run.
+@click.option("--docs", is_flag=True, is_eager=True, expose_value=False, callback=_docs_option,
+              help="Redraw every table of README.md and docs/*.md from the runs/ folder its marker names.")
+@click.option("--check-docs", is_flag=True, is_eager=True, expose_value=False, callback=_docs_option,
+              help="Only list the docs whose tables differ from their runs/ folders; exit 1 if any.")
 @click.option("--trace", "trace_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Draw this step trace (steps-*.jsonl) as a decision timeline into DIRECTORY.")
 @click.option("--target-ms", type=float, default=None, help="With --trace: the ITL target line.")

@@ -18,6 +18,7 @@ from dlfp.bench.paired import paired_table, sweep_summary
 from dlfp.bench.runner import Arm, run_trial
 from dlfp.bench.target import EngineTarget
 from dlfp.controller import params_to_dict
+from dlfp.runs import compress_traces
 from dlfp.targets import OWNED_LOOP, TargetEntry, get_target
 from dlfp.workloads.schedule import build_schedule
 from dlfp.workloads.specs import Gate, WorkloadSpec, get_spec, parse_slo
@@ -152,7 +153,7 @@ def _gguf_pool(path: str) -> list[int]:
 
 def run(bench: Bench, on_request: Callable[[], None] | None = None,
         on_trial: Callable[[str], None] | None = None) -> dict:
-    """Every seed, every arm; writes trials.jsonl as it goes and paired.json at the end."""
+    """Every seed, every arm; writes trials.jsonl as it goes, paired.json and the traces' gzip copies at the end."""
     out = bench.out
     out.mkdir(parents=True, exist_ok=True)
     write_config(bench)
@@ -181,6 +182,7 @@ def run(bench: Bench, on_request: Callable[[], None] | None = None,
         agreement[seed] = output_agreement(runs, bench.arm_names[0])
     result = summarize(bench, agreement)
     (out / "paired.json").write_text(json.dumps(result, indent=2) + "\n")
+    compress_traces(out)  # the copies a kept run tracks (dlfp/runs.py)
     return result
 
 
