@@ -45,6 +45,7 @@ LAZY_COMMANDS = {
     "export-executorch": "dlfp.backends.executorch_export:export_command",
     "check-model": "dlfp.backends.check_model:check_model_command",
     "serve": "dlfp.server.cli:serve",
+    "batch": "dlfp.batch_cli:batch",
     "study": "dlfp.study:study",
     "soak": "dlfp.server.soak:soak",
 }

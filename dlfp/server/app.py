@@ -10,18 +10,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from dlfp.protocol import BackendError
 from dlfp.engine import Engine
+from dlfp.server.batch_routes import install_batch_routes
+from dlfp.server.batch_service import BatchOptions, BatchService
 from dlfp.server.bridge import EngineBridge, engine_dead, engine_failure
-from dlfp.server.completions import make_job, resolve_priority, respond
+from dlfp.server.completions import resolve_priority, respond
 from dlfp.server.errors import APIError, bad_request
 from dlfp.server.exposure import Exposure, install
-from dlfp.server.limits import RequestLimits, check_text_fits, read_body
+from dlfp.server.jobs import chat_job, completion_job
+from dlfp.server.limits import RequestLimits, read_body
 from dlfp.server.metrics import ServerMetrics
 from dlfp.server.schemas import ChatRequest, CompletionRequest, parse, unknown_model
+from dlfp.server.state_dir import StateDirBusy
 
 log = logging.getLogger("dlfp.server")
 OWNED_BY = "dlfp"  # how a client (dlfp's endpoint bench) recognises a server that takes `priority`
@@ -37,6 +39,7 @@ class ServeOptions:
     max_tokens_limit: int | None = None
     host: str = "127.0.0.1"
     exposure: Exposure = Exposure()
+    batch: BatchOptions | None = None  # None: no Batch API (its routes answer 503)
 
 
 @dataclass
@@ -53,6 +56,13 @@ class ServerState:
                                     self.engine.backend.max_token_bytes())
         self.created = int(time.time())
         self.engine.step_hooks.append(self._bound_trace)
+        self.batch: BatchService | None = None
+        self.batch_off = "no --state-dir was given"
+        if self.options.batch is not None:
+            try:
+                self.batch = BatchService(self.options.batch, self.metrics.registry)
+            except StateDirBusy as exc:  # the chat API still serves; the batch routes say why they do not
+                self.batch_off = f"{exc}; give this server its own --state-dir"
 
     @property
     def backend(self):
@@ -83,42 +93,29 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        if state.batch is not None:
+            await state.batch.start(state)
         yield
+        if state.batch is not None:
+            await state.batch.stop()  # before the engine: unfinished batch requests stay queued on disk
         aborted = state.engine.shutdown(abort_pending=True, timeout=10.0)
         log.warning(state.summarize_shutdown(aborted))
 
     app = FastAPI(title="dlfp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _error_handlers(app)
     install(app, state.options.exposure, state.options.host)
-    context = state.backend.capabilities.context_per_sequence
+    install_batch_routes(app, state)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse(ChatRequest, await _body(state, request))
-        model = state.check_model(body.model)
-        priority = resolve_priority(body, request.headers.get("x-priority"))
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        # Chat templates render every message's content, so the contents alone bound the prompt from below.
-        check_text_fits(state.limits, sum(len(m["content"].encode()) for m in messages), context, "messages")
-        try:
-            ids = await run_in_threadpool(state.backend.apply_chat_template, messages)
-        except BackendError as exc:
-            raise bad_request(f"{exc}; send a plain prompt to /v1/completions instead", param="messages") from None
-        except Exception as exc:  # the model's own Jinja template rejected these messages
-            raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
-        job = make_job(state.backend, body, ids, priority, model, True, state.limits.max_tokens_limit)
+        job = await chat_job(state, body, resolve_priority(body, request.headers.get("x-priority")))
         return await respond(state.bridge, job, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse(CompletionRequest, await _body(state, request))
-        model = state.check_model(body.model)
-        priority = resolve_priority(body, request.headers.get("x-priority"))
-        text = _prompt_text(body.prompt)
-        if text is not None:
-            check_text_fits(state.limits, len(text.encode()), context, "prompt")
-        ids = await run_in_threadpool(_prompt_ids, state.backend, body.prompt)
-        job = make_job(state.backend, body, ids, priority, model, False, state.limits.max_tokens_limit)
+        job = await completion_job(state, body, resolve_priority(body, request.headers.get("x-priority")))
         return await respond(state.bridge, job, request)
 
     @app.get("/v1/models")
@@ -136,12 +133,16 @@ def create_app(state: ServerState) -> FastAPI:
                                  "in_flight": len(state.bridge.in_flight)}, status_code=503)
         load = state.engine.load() | {"free_slots": len(state.engine.scheduler.free_slots),
                                       "in_flight": len(state.bridge.in_flight)}
+        if state.batch is not None:  # resuming batches never makes the server unhealthy
+            load["batch"] = state.batch.health()
         status = "draining" if state.bridge.draining else "ok"
         return JSONResponse({"status": status, "policy": state.policy, **load},
                             status_code=503 if state.bridge.draining else 200)
 
     @app.get("/metrics")
     async def metrics():
+        if state.batch is not None:
+            await state.batch.refresh_metrics()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -158,25 +159,6 @@ async def _body(state: ServerState, request: Request) -> bytes:
         state.metrics.rejected.labels("503").inc()
         raise engine_dead(failure)
     return await read_body(request, state.limits.max_body_bytes)
-
-
-def _prompt_ids(backend, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        return backend.tokenize(prompt, add_special=True)
-    if all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    if len(prompt) != 1:
-        raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt")
-    return _prompt_ids(backend, prompt[0])
-
-
-def _prompt_text(prompt) -> str | None:
-    """The prompt's text when it is text (one string, or a list of exactly one)."""
-    if isinstance(prompt, str):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    return None
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -36,13 +36,27 @@ from dlfp.prefix_cache import DEFAULT_HOLD_S
                    "Needed for a non-loopback bind: a foreign Host header gets HTTP 400.")
 @click.option("--cors-origin", "cors_origins", multiple=True,
               help="A web origin allowed to call the API from a browser (repeatable). Default: none (CORS off).")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of the Batch API's database, kept across restarts (default: $DLFP_STATE_DIR, else the "
+                   "user's data folder for dlfp). One server per folder.")
+@click.option("--batch-max-file-mb", type=click.FloatRange(0, min_open=True), default=100.0, show_default=True,
+              help="Largest batch input file in MiB (HTTP 413 past it).")
+@click.option("--batch-max-lines", type=click.IntRange(1), default=50_000, show_default=True,
+              help="Most requests in one batch input file (HTTP 400 past it).")
+@click.option("--batch-max-queued", type=click.IntRange(1), default=16, show_default=True,
+              help="Most unfinished batches at once (HTTP 429 past it).")
 def serve(model, backend, profile, threads, policy, itl_target_ms, host, port, max_queue, served_model_name,
-          shutdown_grace, kv_unified, prefix_hold_s, max_body_mb, max_tokens_limit, api_key, allowed_hosts, cors_origins):
-    """An OpenAI-compatible server whose requests are foreground or background."""
+          shutdown_grace, kv_unified, prefix_hold_s, max_body_mb, max_tokens_limit, api_key, allowed_hosts, cors_origins,
+          state_dir, batch_max_file_mb, batch_max_lines, batch_max_queued):
+    """An OpenAI-compatible server whose requests are foreground or background, with a Batch API
+    whose requests run in the background and survive restarts."""
     try:
         from dlfp.server.app import ServeOptions, ServerState
+        from dlfp.server.batch_input import BatchLimits
+        from dlfp.server.batch_service import BatchOptions
         from dlfp.server.exposure import Exposure, is_loopback
         from dlfp.server.runner import DrainingServer
+        from dlfp.server.state_dir import default_state_dir
     except ImportError as exc:
         raise UserError(f"{exc}: install the server extra (pip install 'dlfp[server]')") from None
     from dlfp.assembly import build_engine
@@ -57,15 +71,22 @@ def serve(model, backend, profile, threads, policy, itl_target_ms, host, port, m
     if not is_loopback(host) and not api_key:
         click.echo(f"dlfp serve: warning: --host {host} without --api-key: anyone who can reach the port "
                    f"can use the model", err=True)
+    limits = BatchLimits(int(batch_max_file_mb * 2**20), batch_max_lines, batch_max_queued)
+    batch = BatchOptions(Path(state_dir) if state_dir else default_state_dir(), limits)
     options = ServeOptions(max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20),
                            max_tokens_limit=max_tokens_limit, host=host,
-                           exposure=Exposure(api_key or None, tuple(allowed_hosts), tuple(cors_origins)))
+                           exposure=Exposure(api_key or None, tuple(allowed_hosts), tuple(cors_origins)), batch=batch)
     be = open_backend(backend, model, prof, threads, kv_unified)
     name = served_model_name or Path(str(be.describe().get("model_path", backend))).stem
     # The server starts the engine (ASGI lifespan); probes and the governor run with it.
     engine = build_engine(be, policy, prof, itl_target_ms=itl_target_ms, start=False, prefix_hold_s=prefix_hold_s)
-    server = DrainingServer(ServerState(engine, name, policy, options), host, port, shutdown_grace)
+    state = ServerState(engine, name, policy, options)
+    server = DrainingServer(state, host, port, shutdown_grace)
     click.echo(f"dlfp serve: http://{host}:{port}/v1  model {name}  policy {policy}  profile {prof.name}", err=True)
+    if state.batch is not None:
+        click.echo(f"dlfp serve: batch state in {state.batch.path}", err=True)
+    else:
+        click.echo(f"dlfp serve: warning: the Batch API is off: {state.batch_off}", err=True)
     try:
         server.run()
     finally:

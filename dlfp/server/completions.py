@@ -87,8 +87,9 @@ class Job:
 
 
 def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: str, model: str, chat: bool,
-             max_tokens_limit: int | None = None) -> Job:
-    """Check the sizes and sampling settings; every problem is a 400 naming its field."""
+             max_tokens_limit: int | None = None, request_id: str | None = None) -> Job:
+    """Check the sizes and sampling settings; every problem is a 400 naming its field.
+    `request_id`: the engine's id (default: a fresh one); it also seeds a request sent without a seed."""
     context = backend.capabilities.context_per_sequence
     n_in = len(prompt_ids)
     if n_in == 0:
@@ -115,7 +116,8 @@ def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: s
         raise bad_request(str(exc)) from None
     prefix = "chatcmpl" if chat else "cmpl"
     request = Request(prompt_ids, n_out, priority, sampling, body.ignore_eos,
-                      request_id=f"{prefix}-{uuid.uuid4().hex[:24]}", tag="http", cache_prompt=body.cache_prompt)
+                      request_id=request_id or f"{prefix}-{uuid.uuid4().hex[:24]}", tag="http",
+                      cache_prompt=body.cache_prompt)
     try:  # the engine checks again at submit; here the error comes before any 429 and names its field
         request.validate(backend.capabilities.vocab_size, context)
     except ValueError as exc:
@@ -189,6 +191,12 @@ async def _stream(job: Job, sub: Submitted, text: TextStream) -> AsyncIterator[s
         yield "data: [DONE]\n\n"
     finally:
         sub.cancel()  # stopped early, or the client went away: free the sequence at the next step
+
+
+async def collect(bridge: EngineBridge, job: Job, sub: Submitted) -> dict:
+    """The whole answer of a submitted request (no HTTP client behind it: the batch runner).
+    Raises APIError when the engine failed or aborted the request."""
+    return await _gather(job, sub, TextStream(bridge.engine.backend, job.body.stop_list()))
 
 
 async def _collect(job: Job, sub: Submitted, text: TextStream, http: HTTPRequest) -> Response:
