@@ -127,10 +127,10 @@ class LoadWatch:
     """OtherLoad read every `period_s` on its own thread: `read()` gives the latest window's
     figure, however long ago the caller last asked.
 
-    The thread governor runs between steps. Read there, a window spanned the whole step
-    before it, so a neighbour that started 2 s into a 4.8 s prefill step was diluted below
-    the slack and the next two steps ran on both threads beside it (102 and 212 ms,
-    noisy-neighbour seed 802). Two small /proc reads per period cost nothing next to a step.
+    The thread governor runs between steps. A figure read there would span the whole step
+    before it, so a neighbour that starts during a long prefill step would be diluted below
+    the slack, and the next steps would run on every thread beside it. A thread of its own
+    keeps the window at `period_s`; two small /proc reads per period cost nothing next to a step.
     """
 
     def __init__(self, load: OtherLoad | None = None, period_s: float = 0.2):

@@ -34,7 +34,7 @@ from typing import Callable
 
 log = logging.getLogger("dlfp.threads")
 
-READ_S = 0.2  # how often other programs' load is read (0.1 s reacted to every 50 ms burst, and did not help)
+READ_S = 0.2  # how often other programs' load is read; a shorter period reacts to every brief burst of other work
 
 
 class ThreadGovernor:

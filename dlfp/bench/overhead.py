@@ -4,9 +4,10 @@
    against llama-cpp-python's own generation loop (`Llama.generate`, greedy) on
    the same model file, threads, batch size and per-sequence context, as a
    ratio. Runs alternate (engine, llama, engine, ...) and the medians compare.
-   The llama-cpp-python loop runs in a fresh child process: once a second
-   llama.cpp context had computed on another thread of the same process, the
-   engine thread's decodes ran 2.4x slower here (CPU thread pools competing).
+   The llama-cpp-python loop runs in a fresh child process: a second llama.cpp
+   context computing on another thread of the same process slows the engine
+   thread's decodes (their CPU thread pools compete), which would charge the
+   runtime for the measurement's own reference.
 2. Controller + scheduler share: in a DLFP run where a background prompt is
    capped beside a foreground decode, the time spent in the policy (cap,
    observe, reset) and the scheduler (admit, plan) per step, as a share of the
