@@ -41,10 +41,11 @@ def backend(tiny_gguf):
 class App:
     """One in-process server with its own state folder, and the official client on its transport."""
 
-    def __init__(self, backend, folder: Path, limits: BatchLimits = BatchLimits(), api_key: str | None = None):
+    def __init__(self, backend, folder: Path, limits: BatchLimits = BatchLimits(), api_key: str | None = None,
+                 model: str = "tiny-chat"):
         engine = Engine(backend, Unbounded(), EngineConfig(preemption_budget_s=None))
         options = ServeOptions(batch=BatchOptions(folder, limits), exposure=Exposure(api_key))
-        self.state = ServerState(engine, "tiny-chat", "unbounded", options)
+        self.state = ServerState(engine, model, "unbounded", options)
         self.http = TestClient(create_app(self.state), base_url=ORIGIN)
         self.client = openai.OpenAI(base_url=ORIGIN + "/v1", api_key=api_key or "unused", http_client=self.http,
                                     max_retries=0)
@@ -266,6 +267,22 @@ def test_two_batches_at_once_each_get_their_own_answers_once(backend, tmp_path):
         assert app.metric("dlfp_batch_journal_bytes") > 0
 
 
+def test_a_stopped_server_resumes_only_batches_of_its_own_model(backend, tmp_path):
+    with App(backend, tmp_path) as app:
+        batch = app.submit([chat_line(i, max_tokens=1000) for i in range(12)])
+        app.wait(batch.id, until=lambda b: b.request_counts.completed >= 1)
+    with App(backend, tmp_path, model="another-model") as other:
+        before = other.client.batches.retrieve(batch.id)
+        assert before.status == "in_progress" and before.model == "tiny-chat" and before.request_counts.completed < 12
+        time.sleep(0.5)
+        assert other.client.batches.retrieve(batch.id).request_counts == before.request_counts  # left alone
+        assert other.http.get("/health").json()["batch"]["in_flight"] == 0
+    with App(backend, tmp_path) as again:
+        done = again.wait(batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 12
+        assert [x["custom_id"] for x in again.lines_of(done.output_file_id)] == [f"req-{i}" for i in range(12)]
+
+
 def test_api_key_guards_every_batch_route(backend, tmp_path):
     with App(backend, tmp_path, api_key="s3cret") as app:
         for method, path in (("POST", "/v1/files"), ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"),
@@ -303,12 +320,12 @@ def store_lines(n: int) -> list[InputLine]:
 
 def test_a_result_is_recorded_once_and_survives_reopening(tmp_path):
     store = BatchStore(tmp_path)
-    b = store.create_batch("file-x", CHAT_URL, "24h", 86400, None, store_lines(3), max_active=4)
+    b = store.create_batch("file-x", "m", CHAT_URL, "24h", 86400, None, store_lines(3), max_active=4)
     assert store.finish(b["id"], 2, True, '{"custom_id": "c1"}', Usage(5, 1, 3))
     assert not store.finish(b["id"], 2, True, '{"custom_id": "c1"}', Usage(5, 1, 3))  # a second finish: nothing
     store.close()
     store = BatchStore(tmp_path)  # as after a kill: what was committed is there, the rest is queued
-    assert store.active_batches() == [(b["id"], "in_progress", b["expires_at"])]
+    assert store.active_batches() == [(b["id"], "m", "in_progress", b["expires_at"])]
     assert store.queued_lines(b["id"]) == [1, 3]
     got = store.get_batch(b["id"])
     assert got["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
@@ -321,5 +338,5 @@ def test_a_result_is_recorded_once_and_survives_reopening(tmp_path):
     assert store.file_content(done["error_file_id"]).decode().count("\n") == 1
     assert len(store.list_files("batch_output")) == 2  # finalizing twice wrote no second set of files
     assert store.stats()["requests"] == {"done": 2, "failed": 1, "queued": 0}
-    assert store.create_batch("file-x", CHAT_URL, "24h", 86400, None, store_lines(1), max_active=1) is not None
-    assert store.create_batch("file-x", CHAT_URL, "24h", 86400, None, store_lines(1), max_active=1) is None
+    assert store.create_batch("file-x", "m", CHAT_URL, "24h", 86400, None, store_lines(1), max_active=1) is not None
+    assert store.create_batch("file-x", "m", CHAT_URL, "24h", 86400, None, store_lines(1), max_active=1) is None

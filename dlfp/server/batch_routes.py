@@ -96,8 +96,9 @@ def install_batch_routes(app: FastAPI, state) -> None:
         if lines[0].url != body.endpoint:
             raise bad_request(f"the file's requests are for {lines[0].url}, not the endpoint {body.endpoint}",
                               param="endpoint")
-        batch = await svc.store.call("create_batch", body.input_file_id, body.endpoint, body.completion_window,
-                                     int(hours.group(1)) * 3600, body.metadata, lines, svc.limits.max_active)
+        batch = await svc.store.call("create_batch", body.input_file_id, state.model_name, body.endpoint,
+                                     body.completion_window, int(hours.group(1)) * 3600, body.metadata, lines,
+                                     svc.limits.max_active)
         if batch is None:
             raise APIError(429, f"{svc.limits.max_active} batches are unfinished, this server's limit "
                                 f"(--batch-max-queued); retry when one ends", type="rate_limit_error",
@@ -124,8 +125,8 @@ def install_batch_routes(app: FastAPI, state) -> None:
         if batch["status"] in ("completed", "failed", "expired"):
             raise APIError(409, f"batch {batch_id} is {batch['status']}: there is nothing to cancel",
                            param="batch_id", code="batch_not_cancellable")
-        if batch["status"] == "cancelling":
-            await svc.runner.cancel(batch_id)
+        if batch["status"] == "cancelling" and batch["model"] == state.model_name:
+            await svc.runner.cancel(batch_id)  # another model's batch is finalized by a server of that model
             batch = await svc.store.call("get_batch", batch_id)
         return batch
 

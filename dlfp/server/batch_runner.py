@@ -85,8 +85,13 @@ class BatchRunner:
             task.add_done_callback(lambda t: (self._tasks.discard(t), slots.release(), _log_crash(t)))
 
     async def _recover(self) -> None:
-        """Load every unfinished batch; finish those a crash left with nothing to run."""
-        for batch_id, status, expires_at in await self.store.call("active_batches"):
+        """Load every unfinished batch of this server's model; finish those a crash left with nothing to run.
+        A batch made for another model waits, untouched, for a server of that model."""
+        for batch_id, model, status, expires_at in await self.store.call("active_batches"):
+            if model != self.state.model_name:
+                log.warning("%s was made for model %s, not %s: it waits for a server of that model",
+                            batch_id, model, self.state.model_name)
+                continue
             lines = await self.store.call("queued_lines", batch_id)
             if status == "cancelling":
                 await self._stop(batch_id, "cancelled")

@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS files (
     created_at INTEGER NOT NULL, content BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, input_file_id TEXT NOT NULL,
-    endpoint TEXT NOT NULL, completion_window TEXT NOT NULL, metadata TEXT, status TEXT NOT NULL,
+    model TEXT NOT NULL, endpoint TEXT NOT NULL, completion_window TEXT NOT NULL, metadata TEXT, status TEXT NOT NULL,
     created_at INTEGER NOT NULL, in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER,
     failed_at INTEGER, expires_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
     output_file_id TEXT, error_file_id TEXT, total INTEGER NOT NULL, completed INTEGER NOT NULL DEFAULT 0,
@@ -105,19 +105,20 @@ class BatchStore:
             return self.db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount == 1
 
     # -- batches -----------------------------------------------------------
-    def create_batch(self, input_file_id: str, endpoint: str, window: str, window_s: int, metadata: dict | None,
-                     lines: list[InputLine], max_active: int) -> dict | None:
+    def create_batch(self, input_file_id: str, model: str, endpoint: str, window: str, window_s: int,
+                     metadata: dict | None, lines: list[InputLine], max_active: int) -> dict | None:
         """The new batch with every request queued, or None when `max_active` batches are unfinished
-        (checked in the same transaction, so concurrent creates cannot pass the limit together)."""
+        (checked in the same transaction, so concurrent creates cannot pass the limit together).
+        `model` is the served model's name: only a server of that model runs the batch."""
         bid, now = _new_id("batch_"), self.now()
         with self._tx():
             if self.count_active() >= max_active:
                 return None
             self.db.execute(
-                "INSERT INTO batches (id, input_file_id, endpoint, completion_window, metadata, status, created_at, "
-                "in_progress_at, expires_at, total) VALUES (?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?)",
-                (bid, input_file_id, endpoint, window, json.dumps(metadata) if metadata is not None else None,
-                 now, now, now + window_s, len(lines)))
+                "INSERT INTO batches (id, input_file_id, model, endpoint, completion_window, metadata, status, "
+                "created_at, in_progress_at, expires_at, total) VALUES (?, ?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?)",
+                (bid, input_file_id, model, endpoint, window,
+                 json.dumps(metadata) if metadata is not None else None, now, now, now + window_s, len(lines)))
             self.db.executemany("INSERT INTO requests (batch_id, line, custom_id, url, body) VALUES (?, ?, ?, ?, ?)",
                                 [(bid, x.line, x.custom_id, x.url, json.dumps(x.body)) for x in lines])
         return self.get_batch(bid)
@@ -142,12 +143,12 @@ class BatchStore:
         marks = ",".join("?" * len(ACTIVE))
         return self.db.execute(f"SELECT count(*) FROM batches WHERE status IN ({marks})", ACTIVE).fetchone()[0]
 
-    def active_batches(self) -> list[tuple[str, str, int | None]]:
-        """(id, status, expires_at) of every unfinished batch, oldest first: the work after a restart."""
+    def active_batches(self) -> list[tuple[str, str, str, int | None]]:
+        """(id, model, status, expires_at) of every unfinished batch, oldest first: the work after a restart."""
         marks = ",".join("?" * len(ACTIVE))
-        rows = self.db.execute(f"SELECT id, status, expires_at FROM batches WHERE status IN ({marks}) ORDER BY seq",
-                               ACTIVE)
-        return [(r["id"], r["status"], r["expires_at"]) for r in rows]
+        rows = self.db.execute(f"SELECT id, model, status, expires_at FROM batches WHERE status IN ({marks}) "
+                               f"ORDER BY seq", ACTIVE)
+        return [(r["id"], r["model"], r["status"], r["expires_at"]) for r in rows]
 
     def queued_lines(self, batch_id: str) -> list[int]:
         rows = self.db.execute("SELECT line FROM requests WHERE batch_id = ? AND state = 'queued' ORDER BY line",
@@ -263,7 +264,7 @@ def file_object(row: sqlite3.Row) -> dict:
 def batch_object(row: sqlite3.Row) -> dict:
     n_in, n_out = row["input_tokens"], row["output_tokens"]
     return {
-        "id": row["id"], "object": "batch", "endpoint": row["endpoint"], "errors": None,
+        "id": row["id"], "object": "batch", "model": row["model"], "endpoint": row["endpoint"], "errors": None,
         "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
         "status": row["status"], "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
         **{k: row[k] for k in ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
