@@ -69,6 +69,7 @@ def build_engine(
     thermal nor the thread governor. `prefix_hold_s`: how long a conversation's cached
     prefix is kept from background requests."""
     pol = make_policy(policy, profile, itl_target_ms)
+    _all_threads(backend)
     engine = Engine(backend, pol, engine_config(pol, profile, prefix_hold_s=prefix_hold_s), trace=trace, clock=clock)
     sampler = _sampler(engine, probe_period_s)
     if sampler is not None:
@@ -81,6 +82,15 @@ def build_engine(
     if governor and not is_stock(pol):
         engine.thread_governor = _thread_governor(engine, backend)
     return engine.start() if start else engine
+
+
+def _all_threads(backend: Backend) -> None:
+    """Every run starts on the threads the backend was loaded with. A backend serves several
+    runs in turn (the laptop job's sessions, the bench's arms) and keeps the thread count the
+    last run's governor left; a run without a governor (`unbounded`, the stock runtime) would
+    otherwise run every step on it, and a governed run would start from it."""
+    if backend.max_threads and backend.threads is not None and backend.threads != backend.max_threads:
+        backend.set_threads(backend.max_threads)
 
 
 def _thread_governor(engine: Engine, backend: Backend):

@@ -203,6 +203,23 @@ def test_engine_drops_a_thread_while_a_neighbour_spins_and_returns_after():
 
 
 
+@pytest.mark.parametrize("policy", ["unbounded", "dlfp"])
+def test_each_run_starts_on_the_threads_the_backend_was_loaded_with(policy):
+    """A backend shared by runs in turn: the last run's governor left it on one thread, and
+    the next run (governed or not, e.g. `unbounded` after the laptop job's decode-only run)
+    starts on both again."""
+    from dlfp.assembly import build_engine
+    from dlfp.profiles import load_profile
+
+    clock = VirtualClock()
+    backend = ThreadedSim(lambda: False, clock=clock)
+    backend.set_threads(1)
+    engine = build_engine(backend, policy, load_profile("cpu-laptop"), probe_period_s=None, start=False,
+                          clock=clock.now)
+    assert backend.threads == 2
+    assert (engine.thread_governor is None) == (policy == "unbounded")
+
+
 def test_a_thread_change_scales_what_was_learned():
     """TailDLFP after a switch to half the threads: the learned costs, doubled, give the cap at
     once; without a factor it starts again from the initial cap."""
