@@ -13,10 +13,11 @@ which decides the policy's budget, governor and probes in one place.
 Pipelined mode (a backend with `pipelined = True`, like vLLM's async scheduling):
 step k+1 is planned and launched before step k's tokens reach the host; its decodes
 feed the tokens step k sampled on the device (PLACEHOLDER_TOKEN), so sampling is
-greedy on the device. The observer stamps each step when it is planned and sees it
-complete when its results are back, as in the vLLM plug-in: `dlfp` is fed
-`t_done - max(t_planned, t_previous_done)`, `dlfp-cadence` the interval between
-plannings, which no longer measures the device once steps overlap.
+greedy on the device. `dlfp` is fed the step's own completed time as the backend
+measured it on the device's clock (its `duration_s`: CUDA events around the step),
+never the host time at collection, which comes after the next step's launch;
+`dlfp-cadence` the interval between plannings, which no longer measures the device
+once steps overlap.
 
 Isolation: whatever one request carries (its sampling parameters, its callback)
 can fail that request only; a failing step fails the requests in it; the loop
@@ -410,10 +411,9 @@ class Engine:
             message = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
             self._fail_plan(step, message)
             return
-        # Pipelined: timed from the stamps, as vLLM's plug-in is (the backend's own figure
-        # would count host time spent planning the next step as this step's).
-        record = self.observer.completed(key, None if self.pipelined else result.duration_s,
-                                         result.device_duration_s)
+        # The backend's own completed time, in both modes: a pipelined step is collected only
+        # after the next one is launched, so a host clock read here would count that launch.
+        record = self.observer.completed(key, result.duration_s, result.device_duration_s)
         t_done = record.t1 if record is not None else self.clock()
         tokens = self._device_tokens(step, result.token_ids) if self.pipelined else (
             self._sample(step, result.logits, t_done))

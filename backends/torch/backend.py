@@ -1,12 +1,19 @@
 """The torch backend: dlfp's owned loop over a PyTorch decoder on a GPU (or the CPU, in CI).
 
 One step = one forward over every decode and prompt chunk of the plan (see model.py).
-Timing, per the porting guide:
-- `duration_s`: wall time from the launch until the step's results are host memory
-  (the end event has completed and the copies with it); when steps are pipelined
-  (`launch` before the previous `wait`), measured from the later of the launch and the
-  previous step's completion, since a step cannot start on the device before that;
-- `device_duration_s`: CUDA events recorded around the step on its stream (None on CPU).
+Timing, per the porting guide: `duration_s` is the step's own completed time, on the
+device's clock, in both modes.
+- CUDA: the elapsed time between two events on the step's stream, the start recorded
+  before the step's inputs are copied over, the end after its results are copied back.
+  When steps are pipelined the start event completes only once the previous step's
+  work is done (stream order), so the figure never counts the previous step, nor the
+  host's later launch of the next one (which a host clock read at collection would).
+  `device_duration_s` is the same figure.
+- CPU: one worker thread stands for the device's stream: it runs launched steps one
+  after another, in launch order, and times each from when it starts it to when its
+  results are ready. `launch` returns once the step is queued, as on a GPU, so the
+  next step's work never delays this step's results or counts in its time.
+  `device_duration_s` is None.
 
 Sampling on the device: every step also returns the greedy token of each row it
 computed logits for (`StepResult.token_ids`), and keeps it on the device per slot. A
@@ -16,7 +23,9 @@ before step k's tokens reach the host (the async mode; see `launch`).
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,16 +55,29 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 # DLFP_TORCH_DEVICE=cuda DLFP_TORCH_DTYPE=bf16.
 # DLFP_TORCH_ASYNC=1: pipelined (the engine launches step k+1 before collecting step k).
 DEVICE_ENV, DTYPE_ENV, SEED_ENV, ASYNC_ENV = "DLFP_TORCH_DEVICE", "DLFP_TORCH_DTYPE", "DLFP_TORCH_SEED", "DLFP_TORCH_ASYNC"
+_WORKER = "dlfp-torch-step"  # the CPU worker thread's name
+
+
+@dataclass
+class _Inputs:
+    """A step's inputs as host arrays, built on the launching thread."""
+
+    ids: np.ndarray  # [3, N] int64: token ids (PLACEHOLDER where the device's token goes), positions, slots
+    segments: list[Segment]
+    logit_rows: list[int]  # the row of each logits row's last token
+    slots: list[int]  # the slot of each logits row, in row order
 
 
 @dataclass
 class _Launched:
-    t_launch: float
     slots: list[int]  # the slot of each logits row, in row order
-    logits: torch.Tensor  # host (pinned on CUDA) [R, vocab] float32, filled when the end event completes
-    tokens: torch.Tensor  # host [R] int64 greedy tokens
-    start: torch.cuda.Event | None
-    end: torch.cuda.Event | None
+    # CUDA: host (pinned) [R, vocab] float32 logits and [R] int64 greedy tokens, final once
+    # the end event has completed; the events time the step.
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    work: Future | None = None  # CPU: the worker's (logits, tokens, seconds)
 
 
 class LaunchedStep(PendingStep):
@@ -88,6 +110,7 @@ class TorchBackend(Backend):
         self.dtype = DTYPES[dtype_name]
         if n_threads and not self.cuda:
             torch.set_num_threads(n_threads)
+        self._threads = None if self.cuda else torch.get_num_threads()
         n_ctx = min(n_ctx, cfg.max_positions)
         self.model, self.weights = materialise(cfg, folder, self.device, self.dtype, seed)
         self.cache = KVCache(cfg, n_seq, n_ctx, self.dtype, self.device)
@@ -96,7 +119,8 @@ class TorchBackend(Backend):
         self._last_token = torch.zeros(n_seq, dtype=torch.long, device=self.device)
         self._has_token = [False] * n_seq  # host view: which slots hold a device-sampled token
         self._length = [0] * n_seq  # positions filled per slot (host bookkeeping for checks)
-        self._last_ready: float | None = None
+        # CPU: the stream's stand-in (one thread: steps run in launch order, like a CUDA stream).
+        self._worker = None if self.cuda else ThreadPoolExecutor(1, thread_name_prefix=_WORKER)
         self.capabilities = Capabilities(
             owned_loop=True, multi_sequence=True, per_step_chunking=True,
             timing=TIMING_DEVICE_EVENT if self.cuda else TIMING_SYNC_WALL,
@@ -113,22 +137,17 @@ class TorchBackend(Backend):
         Raises BackendError before anything is queued if the plan is bad.
         """
         self._check(plan)
-        t0 = time.perf_counter()
-        batch, slots = self._pack(plan)
-        start = end = None
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        logits = self.model(batch, self.cache, self.rope)
-        tokens = logits.argmax(dim=-1)
-        if slots:
-            self._last_token[self._to_device(torch.tensor(slots, dtype=torch.long))] = tokens
-        host_logits, host_tokens = self._to_host(logits), self._to_host(tokens)
-        if self.cuda:
-            end.record()
-        for s in slots:
+        inputs = self._pack(plan)
+        for s in inputs.slots:
             self._has_token[s] = True
-        return LaunchedStep(self, _Launched(t0, slots, host_logits, host_tokens, start, end))
+        if not self.cuda:
+            return LaunchedStep(self, _Launched(inputs.slots, work=self._worker.submit(self._timed, inputs)))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # before the inputs' copies: they are the step's work too
+        logits, tokens = self._run(inputs)
+        host_logits, host_tokens = self._to_host(logits), self._to_host(tokens)
+        end.record()
+        return LaunchedStep(self, _Launched(inputs.slots, host_logits, host_tokens, start, end))
 
     def free_sequence(self, seq_id: int) -> None:
         self._check_slot(seq_id)
@@ -159,7 +178,7 @@ class TorchBackend(Backend):
             "dtype": str(self.dtype).removeprefix("torch."),
             "torch": torch.__version__,
             "kv_cache_gib": round(self.cache.nbytes() / 2**30, 3),
-            "threads": None if self.cuda else torch.get_num_threads(),
+            "threads": self._threads,
             "pipelined": self.pipelined,
         }
         if self.cuda:
@@ -170,21 +189,44 @@ class TorchBackend(Backend):
     def close(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        elif self._worker is not None:  # queued steps finish first, unless this is the worker itself
+            self._worker.shutdown(wait=not threading.current_thread().name.startswith(_WORKER))
 
     # -- internals ---------------------------------------------------------
     def _collect(self, launched: _Launched) -> StepResult:
-        if launched.end is not None:
+        device_s = None
+        if launched.work is not None:
+            logits_t, tokens_t, duration = launched.work.result()  # raises what the step raised
+        else:
             launched.end.synchronize()  # the step and its copies to the host are done
-        t_ready = time.perf_counter()
-        begin = launched.t_launch if self._last_ready is None else max(launched.t_launch, self._last_ready)
-        self._last_ready = t_ready
-        device_s = launched.start.elapsed_time(launched.end) / 1e3 if launched.end is not None else None
-        rows = launched.logits.numpy()
-        toks = launched.tokens.numpy()
+            device_s = duration = launched.start.elapsed_time(launched.end) / 1e3  # ms on the device's clock
+            logits_t, tokens_t = launched.logits, launched.tokens
+        rows = logits_t.numpy()
+        toks = tokens_t.numpy()
         logits = {slot: rows[i] for i, slot in enumerate(launched.slots)}  # fresh buffers per step: final
         token_ids = {slot: int(toks[i]) for i, slot in enumerate(launched.slots)}
-        return StepResult(logits=logits, duration_s=t_ready - begin, device_duration_s=device_s,
-                          token_ids=token_ids)
+        return StepResult(logits=logits, duration_s=duration, device_duration_s=device_s, token_ids=token_ids)
+
+    def _run(self, inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's device work, in stream order: inputs over, the forward, greedy tokens kept per slot."""
+        dev = self._to_device(torch.from_numpy(inputs.ids))
+        tok = dev[0]
+        if (inputs.ids[0] == PLACEHOLDER).any():  # async decodes: the token sampled on the device
+            tok = torch.where(tok == PLACEHOLDER, self._last_token[dev[2]], tok)
+        rows = self._to_device(torch.tensor(inputs.logit_rows, dtype=torch.long))
+        logits = self.model(Packed(tok, dev[1], dev[2], inputs.segments, rows), self.cache, self.rope)
+        tokens = logits.argmax(dim=-1)
+        if inputs.slots:
+            self._last_token[self._to_device(torch.tensor(inputs.slots, dtype=torch.long))] = tokens
+        return logits, tokens
+
+    def _timed(self, inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """On the CPU worker: the step from when the worker starts it to when its results are ready."""
+        if torch.get_num_threads() != self._threads:  # the setting is per thread: the loader's count
+            torch.set_num_threads(self._threads)
+        t0 = time.perf_counter()
+        logits, tokens = self._run(inputs)
+        return logits, tokens, time.perf_counter() - t0
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device without waiting for queued work (pinned source, non-blocking copy)."""
@@ -199,7 +241,7 @@ class TorchBackend(Backend):
         out.copy_(t, non_blocking=True)
         return out
 
-    def _pack(self, plan: StepPlan) -> tuple[Packed, list[int]]:
+    def _pack(self, plan: StepPlan) -> _Inputs:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -223,12 +265,7 @@ class TorchBackend(Backend):
                 logit_rows.append(len(tokens) - 1)
                 logit_slots.append(c.seq_id)
             self._length[c.seq_id] = c.end
-        dev = self._to_device(torch.from_numpy(np.array([tokens, positions, slots], dtype=np.int64)))
-        tok = dev[0]
-        if any(t == PLACEHOLDER for t in tokens):  # async decodes: the token sampled on the device
-            tok = torch.where(tok == PLACEHOLDER, self._last_token[dev[2]], tok)
-        rows = self._to_device(torch.tensor(logit_rows, dtype=torch.long))
-        return Packed(tok, dev[1], dev[2], segments, rows), logit_slots
+        return _Inputs(np.array([tokens, positions, slots], dtype=np.int64), segments, logit_rows, logit_slots)
 
     def _check(self, plan: StepPlan) -> None:
         caps = self.capabilities

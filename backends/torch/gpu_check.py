@@ -1,62 +1,136 @@
-"""The torch backend's GPU check: paper models' architectures, the Agent workload, three arms, two modes.
+"""The torch backend's GPU check: the paper's models' architectures, the Agent workload, four arms, two modes.
 
-Run by `scripts/gpu_torch_check.sh`. Needs only torch and numpy (the device machine has
-no click/rich/scipy guarantee), so it drives the bench's own pieces directly: the
-workload schedule, `run_trial` over dlfp's engine, `trial_row` and `output_agreement`.
-One seed, so changes are per trial (no interval).
+Run by `scripts/gpu_torch_check.sh` (which runs it from the checkout through
+`scripts/run_from_checkout.py`). Needs only torch and numpy: it drives the bench's own
+pieces directly (the workload schedule, `run_trial` over dlfp's engine, `trial_row`,
+`output_agreement`), never click, rich, scipy or psutil. One seed, so changes are per
+trial (no interval).
 
 Per model (random weights from the bundled config unless a folder is given):
-1. load once; calibrate: median step time of a decode-only step with every slot
-   decoding, and of a full-budget prefill step beside one decode;
-2. the target (`--target-ms auto`): a decode-only step meets it, a full-budget step
-   misses it: decode + 30% of the difference;
-3. per mode (sync; async = step k+1 launched before step k's tokens reach the host),
-   the arms unbounded, dlfp-cadence, dlfp on the same schedule.
-Files under --out: trials.jsonl, agreement.json, calibration.json, per-trial traces.
+1. load once; check that launching ahead (placeholder decodes) gives the step-by-step
+   greedy tokens on this device (exact: the same plans run the same kernels);
+2. calibrate at the positions the workload reaches: the median step of every slot
+   decoding at the middle of the output, and of one such decode beside a full-budget
+   prompt chunk over the middle of the prompt;
+3. the target (`--target-ms auto`): decode-only + 30% of the way to the full-budget step;
+4. per mode (async: step k+1 launched before step k's tokens reach the host; sync),
+   the arms on the same schedule: unbounded, dlfp-cadence (the paper's law fed the
+   scheduler-call interval), dlfp-paper (the same law fed completed step time), dlfp.
+Before each arm it prints its time estimate, and it leaves an arm out (and says so)
+when the arms measured so far say it cannot finish inside `--limit-s`.
+
+Fails (exit 1, each reason printed) when an arm completes fewer requests than it
+submitted, when launching ahead changes greedy tokens, when an arm is left out, or,
+where agreement is required (fp32), when an arm's greedy tokens differ from unbounded.
+Files: see gpu_report.py.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from dlfp.protocol import DecodeItem, PrefillChunk, StepPlan
+from dlfp.backends.torch.gpu_report import Results, step_figures
 from dlfp.bench.analysis import output_agreement, trial_row
 from dlfp.bench.runner import Arm, run_trial
 from dlfp.bench.target import EngineTarget
-from dlfp.devices.profiles import load_profile
-from dlfp.workloads.schedule import build_schedule
+from dlfp.profiles import load_profile
+from dlfp.protocol import PLACEHOLDER_TOKEN, DecodeItem, PrefillChunk, StepPlan
+from dlfp.provenance import write_config
+from dlfp.workloads.schedule import Schedule, build_schedule
 from dlfp.workloads.specs import get_spec
 
 TARGET_SHARE = 0.3  # where the auto target sits between a decode-only and a full-budget step
+ARMS = "unbounded,dlfp-cadence,dlfp-paper,dlfp"
 
 
-def calibrate(backend, repeats: int = 5) -> dict:
-    """Median decode-only and full-budget step times (s), on scratch slots freed afterwards."""
+def workload_positions(schedule: Schedule, context: int, budget: int) -> tuple[int, int]:
+    """(decode position, chunk start) the workload reaches: its decodes at the middle of
+    the output, a full-budget chunk over the middle of the prompt (the mean start of a
+    prompt's chunks), both inside the context."""
+    prompt = int(statistics.median(len(p.prompt_ids) for p in schedule.measured))
+    output = int(statistics.median(p.max_tokens for p in schedule.measured))
+    decode = min(prompt + output // 2, context - 2)
+    chunk = max(0, min((prompt - budget) // 2, context - budget, decode))
+    return decode, chunk
+
+
+def calibrate(backend, decode_pos: int, chunk_start: int, repeats: int = 5) -> dict:
+    """Median step times (ms) at the given positions: every slot decoding, and one decode beside
+    a full-budget chunk. Every slot is prefilled to `decode_pos` first and freed afterwards."""
     caps = backend.capabilities
-    n = caps.max_sequences
-    vocab = caps.vocab_size
+    n, budget, vocab = caps.max_sequences, caps.max_batch_tokens, caps.vocab_size
+    if n < 2:
+        raise ValueError("calibration needs two slots (a decode beside a chunk)")
+    t0 = time.perf_counter()
     for s in range(n):
         backend.free_sequence(s)
-    backend.step(StepPlan(prefills=[PrefillChunk(s, [7 + s % 50] * 8, 0, True) for s in range(n)]))
+        for start in range(0, decode_pos, budget):
+            ids = [(13 * i + s) % vocab for i in range(start, min(decode_pos, start + budget))]
+            backend.step(StepPlan(prefills=[PrefillChunk(s, ids, start, False)]))
+    fill_s = time.perf_counter() - t0
+    chunk = [(7 * i) % vocab for i in range(budget - 1)]
     decode, full = [], []
-    budget = caps.max_batch_tokens - 1
-    prompt = [(13 * i) % vocab for i in range(budget)]
-    for r in range(repeats + 1):  # the first of each is warm-up (kernel selection, allocator)
-        pos = 8 + r
-        decode.append(backend.step(StepPlan(decodes=[DecodeItem(s, 11, pos) for s in range(n)])).duration_s)
-        backend.free_sequence(n - 1)  # scratch: refilled from position 0, longer than any decode position
-        full.append(backend.step(StepPlan(decodes=[DecodeItem(0, 11, pos)],
-                                          prefills=[PrefillChunk(n - 1, prompt, 0, True)])).duration_s)
+    for _ in range(repeats + 1):  # the first of each is warm-up (kernel selection, allocator)
+        plan = StepPlan(decodes=[DecodeItem(s, 11, decode_pos) for s in range(n)])
+        decode.append(backend.step(plan).duration_s)
+    for _ in range(repeats + 1):  # after the decodes: the chunk shortens slot n-1's filled length
+        plan = StepPlan(decodes=[DecodeItem(0, 11, decode_pos)], prefills=[PrefillChunk(n - 1, chunk, chunk_start, True)])
+        full.append(backend.step(plan).duration_s)
     for s in range(n):
         backend.free_sequence(s)
     d, f = statistics.median(decode[1:]), statistics.median(full[1:])
-    return {"decode_step_ms": d * 1e3, "full_step_ms": f * 1e3, "full_step_tokens": caps.max_batch_tokens,
+    return {"decode_position": decode_pos, "chunk_start": chunk_start, "decoding_slots": n, "fill_s": fill_s,
+            "decode_step_ms": d * 1e3, "full_step_ms": f * 1e3, "full_step_tokens": budget,
             "auto_target_ms": (d + TARGET_SHARE * max(0.0, f - d)) * 1e3}
+
+
+def pipeline_check(backend, steps: int = 8) -> dict:
+    """Greedy tokens of two prompts decoded step by step, then again with each step launched
+    before the previous one is collected (placeholder decodes): the same plans, so identical."""
+    vocab = backend.capabilities.vocab_size
+    prompts = {0: [(5 * i + 3) % vocab for i in range(33)], 1: [(11 * i + 7) % vocab for i in range(57)]}
+
+    def prefill():
+        for s in prompts:
+            backend.free_sequence(s)
+        return StepPlan(prefills=[PrefillChunk(s, p, 0, True) for s, p in prompts.items()])
+
+    def decode(k, token):
+        return StepPlan(decodes=[DecodeItem(s, token(s), len(p) + k) for s, p in prompts.items()])
+
+    res = backend.step(prefill())
+    sync = {s: [res.token_ids[s]] for s in prompts}
+    for k in range(steps):
+        res = backend.step(decode(k, lambda s: sync[s][-1]))
+        for s in prompts:
+            sync[s].append(res.token_ids[s])
+    ahead = {s: [] for s in prompts}
+    pending = backend.launch(prefill())
+    for k in range(steps):
+        following = backend.launch(decode(k, lambda s: PLACEHOLDER_TOKEN))
+        for s, t in pending.wait().token_ids.items():
+            ahead[s].append(t)
+        pending = following
+    for s, t in pending.wait().token_ids.items():
+        ahead[s].append(t)
+    for s in prompts:
+        backend.free_sequence(s)
+    return {"identical": ahead == sync, "tokens": sum(len(t) for t in sync.values())}
+
+
+def estimate_arm_s(schedule: Schedule, cal: dict) -> float:
+    """A first arm's time from the calibration: the warmup, then the arrivals or the prompt
+    work (whichever is longer), then the last request's output."""
+    per_token_s = cal["full_step_ms"] / 1e3 / cal["full_step_tokens"]
+    decode_s = cal["decode_step_ms"] / 1e3
+    warm = sum(len(p.prompt_ids) * per_token_s + p.max_tokens * decode_s for p in schedule.warmup)
+    prompts = sum(len(p.prompt_ids) for p in schedule.measured) * per_token_s
+    last = schedule.measured[-1]
+    return warm + max(last.arrival_s, prompts) + last.max_tokens * decode_s
 
 
 def set_mode(backend, mode: str) -> None:
@@ -66,60 +140,78 @@ def set_mode(backend, mode: str) -> None:
     backend.pipelined = mode == "async"
 
 
-def run_model(model: str, args, profile, out: Path, done: list[dict]) -> tuple[list[dict], dict]:
+class Deadline:
+    """The run's time limit, and what the arms measured so far say the next one needs."""
+
+    def __init__(self, limit_s: float):
+        self.t0 = time.perf_counter()
+        self.limit_s = limit_s
+        self.walls: dict[tuple[str, str], list[float]] = {}  # (model, mode) -> arm wall times
+
+    def left(self) -> float:
+        return self.limit_s - (time.perf_counter() - self.t0)
+
+    def measured(self, model: str, mode: str) -> float | None:
+        """The longest arm of this model (this mode's where measured): the next one's estimate."""
+        same = self.walls.get((model, mode)) or [w for (m, _), ws in self.walls.items() if m == model for w in ws]
+        return max(same) if same else None
+
+
+def run_model(model: str, args, profile, results: Results, deadline: Deadline) -> None:
     from dlfp.backends.torch.backend import from_profile
 
     t0 = time.perf_counter()
     backend = from_profile(model, profile, args.threads, device=args.device, dtype=args.dtype, seed=args.seed)
     load_s = time.perf_counter() - t0
-    cal = calibrate(backend)
-    target_ms = cal["auto_target_ms"] if args.target_ms == "auto" else float(args.target_ms)
-    info = {"model": model, "load_s": load_s, "target_ms": target_ms, **cal, "backend": backend.describe()}
-    print(f"[{model}] loaded in {load_s:.1f} s; decode step {cal['decode_step_ms']:.2f} ms, "
-          f"{cal['full_step_tokens']}-token step {cal['full_step_ms']:.2f} ms -> target {target_ms:.2f} ms", flush=True)
     spec = replace(get_spec("agent").scaled(args.scale).with_load(args.requests, args.rate), warmup=args.warmup)
     schedule = build_schedule(spec, args.seed, backend.capabilities.vocab_size)
+    caps = backend.capabilities
+    check = pipeline_check(backend)
+    cal = calibrate(backend, *workload_positions(schedule, caps.context_per_sequence, caps.max_batch_tokens))
+    target_ms = cal["auto_target_ms"] if args.target_ms == "auto" else float(args.target_ms)
+    first_guess = estimate_arm_s(schedule, cal)
+    info = {"model": model, "load_s": load_s, "target_ms": target_ms, **cal, "pipeline_check": check,
+            "first_arm_estimate_s": first_guess, "backend": backend.describe(), "agreement": {}}
+    results.set_model(info)
+    say(f"[{model}] loaded in {load_s:.1f} s; launch-ahead tokens {'identical' if check['identical'] else 'DIFFER'}; "
+        f"at position {cal['decode_position']}: decode step ({cal['decoding_slots']} slots) {cal['decode_step_ms']:.2f} ms, "
+        f"{cal['full_step_tokens']}-token step from {cal['chunk_start']} {cal['full_step_ms']:.2f} ms -> target "
+        f"{target_ms:.2f} ms (calibration fill {cal['fill_s']:.1f} s)")
     target = EngineTarget(backend, profile, target_ms)
-    rows, agreement = [], {}
     tag = model.replace("/", "_")
     for mode in args.modes:
         set_mode(backend, mode)
         runs = []
         for k, arm in enumerate(args.arms):
+            measured = deadline.measured(model, mode)
+            guess = measured if measured is not None else first_guess
+            label = f"[{model}] {mode} {arm} ({k + 1}/{len(args.arms)})"
+            if measured is not None and measured > deadline.left():
+                results.not_run.append(f"{model} {mode} {arm}: needs about {measured:.0f} s, "
+                                       f"{max(0.0, deadline.left()):.0f} s left of {deadline.limit_s:.0f}")
+                say(f"{label}: left out ({results.not_run[-1]})")
+                results.flush()
+                continue
+            say(f"{label}: estimated {guess:.0f} s ({'as measured' if measured is not None else 'from calibration'}); "
+                f"{deadline.left():.0f} s left of {deadline.limit_s:.0f}")
             t = time.perf_counter()
             trial = run_trial(Arm(arm, target, arm), schedule, k)
+            wall = time.perf_counter() - t
+            deadline.walls.setdefault((model, mode), []).append(wall)
             suffix = f"{tag}-{mode}-{args.seed}-{arm.replace(':', '_')}"
-            trial.trace.write(out, suffix)
-            row = trial_row(trial, schedule, spec) | _step_figures(trial.trace, target_ms) | {
-                "model": model, "mode": mode, "target_ms": target_ms, "wall_s": time.perf_counter() - t,
+            row = trial_row(trial, schedule, spec) | step_figures(trial.trace, target_ms) | {
+                "model": model, "mode": mode, "target_ms": target_ms, "wall_s": wall, "estimate_s": guess,
                 "trace_suffix": suffix}
-            rows.append(row)
             runs.append(trial)
-            # Written after every arm: a run cut short by the time limit keeps what it measured.
-            (out / "trials.jsonl").write_text("".join(json.dumps(x) + "\n" for x in done + rows))
-            print(f"[{model}] {mode} {arm}: {row['wall_s']:.0f} s, ITL P99 {row.get('itl_p99_ms') or 0:.1f} ms", flush=True)
-        agreement[mode] = output_agreement(runs, args.arms[0])
+            results.add_arm(row, trial.trace)  # on disk now: a run cut later keeps this arm
+            say(f"{label}: {wall:.0f} s, ITL P99 {row.get('itl_p99_ms') or 0:.2f} ms, guarded steps over target "
+                f"{(row['guarded_over_target'] or 0) * 100:.0f}%, {row['completed']}/{row['submitted']} requests")
+        if runs and runs[0].arm == "unbounded":
+            info["agreement"][mode] = output_agreement(runs, "unbounded")
+            results.set_model(info)
     backend.close()
     del backend, target
     _free_device()
-    info["agreement"] = agreement
-    return rows, info
-
-
-def _step_figures(trace, target_ms: float) -> dict:
-    """Steps that guarded a decode: how often the completed step missed the target, and
-    how the observed signal compares with the device's own time for the same step."""
-    guarded = [s for s in trace.steps if s.guarded and s.n_prefill_fg + s.n_prefill_bg > 0]
-    over = [s for s in guarded if s.duration_s * 1e3 > target_ms]
-    dev = [s.device_duration_s for s in trace.steps if s.device_duration_s is not None]
-    ratios = [s.observed_s / s.duration_s for s in guarded if s.observed_s and s.duration_s]
-    return {
-        "guarded_steps": len(guarded),
-        "guarded_over_target": len(over) / len(guarded) if guarded else None,
-        "mean_cap": statistics.fmean(s.cap for s in guarded if s.cap is not None) if any(s.cap for s in guarded) else None,
-        "device_step_p50_ms": statistics.median(dev) * 1e3 if dev else None,
-        "observed_over_completed_p50": statistics.median(ratios) if ratios else None,
-    }
 
 
 def _free_device() -> None:
@@ -132,41 +224,17 @@ def _free_device() -> None:
         torch.cuda.empty_cache()
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown: per model and mode, each arm against unbounded on the same schedule."""
-    head = ("| model | mode | arm | ITL P50 (ms) | ITL P99 (ms) | P99 vs unbounded | TTFT P99 (ms) | device step P50 "
-            "(ms) | guarded steps over target | mean cap | observed/completed | tokens out/expected | reconciled |")
-    lines = [head, "|" + "---|" * 3 + "---:|" * 9 + "---|"]
-    base = {(r["model"], r["mode"]): r for r in rows if r["policy"] == "unbounded"}
-    for r in rows:
-        b = base.get((r["model"], r["mode"]))
-        change = "-"
-        if b is not None and r is not b and b.get("itl_p99_ms") and r.get("itl_p99_ms") is not None:
-            change = f"{(r['itl_p99_ms'] / b['itl_p99_ms'] - 1) * 100:+.1f}%"
-        lines.append(
-            f"| {r['model']} | {r['mode']} | {r['policy']} | {_f(r.get('itl_p50_ms'))} | {_f(r.get('itl_p99_ms'))} | "
-            f"{change} | {_f(r.get('ttft_p99_ms'))} | {_f(r.get('device_step_p50_ms'), 2)} | "
-            f"{_pct(r['guarded_over_target'])} | {_f(r['mean_cap'], 0)} | "
-            f"{_f(r['observed_over_completed_p50'], 2)} | {r['output_tokens']}/{r['expected_output_tokens']} "
-            f"({r['completed']}/{r['submitted']} req) | {r['reconciled']} |")
-    return "\n".join(lines)
-
-
-def _f(v, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
-
-
-def _pct(v) -> str:
-    return "-" if v is None else f"{v * 100:.0f}%"
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
-    p.add_argument("--modes", default="sync,async")
-    p.add_argument("--arms", default="unbounded,dlfp-cadence,dlfp")
-    p.add_argument("--profile")
-    p.add_argument("--table-from", default=None, help="only print the table of an earlier (or cut-short) run's folder")
+    p.add_argument("--models", default="qwen3-8b,qwen3-0.6b", help="in run order (the first is the one that matters most)")
+    p.add_argument("--modes", default="async,sync")
+    p.add_argument("--arms", default=ARMS)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--out", required=True)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs)")
@@ -176,40 +244,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--target-ms", default="auto")
-    p.add_argument("--out")
+    p.add_argument("--limit-s", type=float, default=510.0, help="arms that would end past this are left out")
+    p.add_argument("--agreement", choices=("auto", "require", "report"), default="auto",
+                   help="greedy tokens equal across arms: required in fp32 (auto), where chunking changes no token")
     args = p.parse_args(argv)
-    if args.table_from:
-        rows = [json.loads(x) for x in (Path(args.table_from) / "trials.jsonl").read_text().splitlines() if x.strip()]
-        print(table(rows))
-        return 0
-    if not args.profile or not args.out:
-        p.error("--profile and --out are required")
     args.modes = [m for m in args.modes.split(",") if m]
     args.arms = [a for a in args.arms.split(",") if a]
     if args.arms[0] != "unbounded":
         p.error("the first arm is the baseline and must be unbounded")
+    require = args.agreement == "require" or (args.agreement == "auto" and args.dtype in ("float32", "fp32"))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["dlfp.backends.torch.gpu_check", *(sys.argv[1:] if argv is None else argv)])
+    write_config(out, {"gpu_check": vars(args)}, command=command, threads=args.threads)
+    results = Results(out, require)
+    deadline = Deadline(args.limit_s)
     profile = load_profile(args.profile)
-    rows, infos = [], []
-    for model in [m for m in args.models.split(",") if m]:
-        r, info = run_model(model, args, profile, out, rows)
-        rows += r
-        infos.append(info)
-        (out / "trials.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-        (out / "models.json").write_text(json.dumps(infos, indent=2, default=str) + "\n")
-    text = table(rows)
-    (out / "table.md").write_text(text + "\n")
-    print(text)
-    for info in infos:
-        for mode, arms in info["agreement"].items():
-            for arm, a in arms.items():
-                print(f"greedy agreement {info['model']} {mode} {arm} vs unbounded: {a['compared'] - len(a['mismatches'])}"
-                      f"/{a['compared']} requests identical")
-    bad = [r for r in rows if not r["reconciled"]]
-    if bad:
-        print(f"token accounting failed in {len(bad)} trial(s): {[(r['model'], r['mode'], r['policy']) for r in bad]}")
-    return 1 if bad else 0
+    try:
+        for model in [m for m in args.models.split(",") if m]:
+            run_model(model, args, profile, results, deadline)
+    finally:
+        results.flush()
+        results.close()
+    print(results.report())
+    return 1 if results.failures() else 0
 
 
 if __name__ == "__main__":
