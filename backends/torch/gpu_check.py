@@ -16,8 +16,9 @@ Per model (random weights from the bundled config unless a folder is given):
 4. per mode (async: step k+1 launched before step k's tokens reach the host; sync),
    the arms on the same schedule: unbounded, dlfp-cadence (the paper's law fed the
    scheduler-call interval), dlfp-paper (the same law fed completed step time), dlfp.
-Before each arm it prints its time estimate, and it leaves an arm out (and says so)
-when the arms measured so far say it cannot finish inside `--limit-s`.
+Before each arm it prints its time estimate (from the calibration for a model's first
+arm, then the longest arm measured), and it leaves an arm out (and says so) when that
+estimate says it cannot finish inside `--limit-s`; a model is not loaded past the limit.
 
 Fails (exit 1, each reason printed) when an arm completes fewer requests than it
 submitted, when launching ahead changes greedy tokens, when an arm is left out, or,
@@ -160,6 +161,12 @@ class Deadline:
 def run_model(model: str, args, profile, results: Results, deadline: Deadline) -> None:
     from dlfp.backends.torch.backend import from_profile
 
+    if deadline.left() <= 0:  # not even loaded: nothing of it could be measured
+        results.not_run += [f"{model} {mode} {arm}: the time limit ({deadline.limit_s:.0f} s) was reached"
+                            for mode in args.modes for arm in args.arms]
+        say(f"[{model}] left out: the time limit ({deadline.limit_s:.0f} s) was reached")
+        results.flush()
+        return
     t0 = time.perf_counter()
     backend = from_profile(model, profile, args.threads, device=args.device, dtype=args.dtype, seed=args.seed)
     load_s = time.perf_counter() - t0
@@ -186,8 +193,8 @@ def run_model(model: str, args, profile, results: Results, deadline: Deadline) -
             measured = deadline.measured(model, mode)
             guess = measured if measured is not None else first_guess
             label = f"[{model}] {mode} {arm} ({k + 1}/{len(args.arms)})"
-            if measured is not None and measured > deadline.left():
-                results.not_run.append(f"{model} {mode} {arm}: needs about {measured:.0f} s, "
+            if guess > deadline.left():
+                results.not_run.append(f"{model} {mode} {arm}: needs about {guess:.0f} s, "
                                        f"{max(0.0, deadline.left()):.0f} s left of {deadline.limit_s:.0f}")
                 say(f"{label}: left out ({results.not_run[-1]})")
                 results.flush()
