@@ -72,6 +72,9 @@ def machine(threads: int | None = None) -> dict:
         "hostname": platform.node(),
         "threads_used": threads,
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        # Runnable processes over the last 1, 5 and 15 minutes when the config was written:
+        # on a shared machine, how busy it was says how far the figures are the machine's own.
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
 
 

@@ -347,7 +347,8 @@ def source_line(rel: str, cfg: dict) -> str:
     m = cfg.get("machine")
     if m:
         threads = f", {m['threads_used']} threads used" if m.get("threads_used") else ""
-        parts.append(f"{m.get('processor') or 'CPU ?'}, {m.get('logical_cores')} logical cores{threads}")
+        load = f", 1-min load average {m['load_average'][0]:.1f} when recorded" if m.get("load_average") else ""
+        parts.append(f"{m.get('processor') or 'CPU ?'}, {m.get('logical_cores')} logical cores{threads}{load}")
     return " · ".join(parts) + "."
 
 
