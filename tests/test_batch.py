@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from dlfp.cli import get_profile, open_backend  # noqa: E402
-from dlfp.controller import Unbounded  # noqa: E402
+from dlfp.policy import Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.server.app import ServeOptions, ServerState, create_app  # noqa: E402
 from dlfp.server.batch_input import BatchLimits, InputLine  # noqa: E402
@@ -188,6 +188,15 @@ def test_limits_give_a_clear_4xx(backend, tmp_path):
         with pytest.raises(openai.APIStatusError) as err:
             c.files.create(file=("big.jsonl", big), purpose="batch")
         assert err.value.status_code == 413 and "--batch-max-file-mb" in err.value.message
+
+        def chunks():  # no Content-Length: the limit holds while the body is read
+            yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.jsonl\"\r\n\r\n"
+            for _ in range(200):
+                yield b"x" * 1000
+        r = app.http.post("/v1/files", content=chunks(), headers={"content-type": "multipart/form-data; boundary=b"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+        r = app.http.post("/v1/files", json={"purpose": "batch"})
+        assert r.status_code == 415
         with pytest.raises(openai.BadRequestError, match="more than 3 requests"):
             app.upload([chat_line(i) for i in range(4)])
         with pytest.raises(openai.BadRequestError, match="purpose"):

@@ -8,7 +8,7 @@ batches (429). The API key middleware covers these routes like every /v1 route.
 from __future__ import annotations
 
 import re
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -21,6 +21,10 @@ from dlfp.server.batch_input import ENDPOINTS, file_too_large, parse_input
 from dlfp.server.batch_store import FILE_PURPOSES
 from dlfp.server.errors import APIError, bad_request
 from dlfp.server.limits import read_body
+
+if TYPE_CHECKING:
+    from dlfp.server.app import ServerState
+    from dlfp.server.batch_service import BatchService
 
 MULTIPART_SLACK = 64 * 1024  # form fields and part headers around the file itself
 WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")  # "24h" as OpenAI; any whole number of hours up to 9999
@@ -36,8 +40,8 @@ class CreateBatch(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-def install_batch_routes(app: FastAPI, state) -> None:
-    """`state` is the ServerState; its `batch` is a BatchService, or None with `batch_off` saying why."""
+def install_batch_routes(app: FastAPI, state: ServerState) -> None:
+    """The routes over `state.batch`, a BatchService, or None with `state.batch_off` saying why."""
 
     @app.post("/v1/files")
     async def upload(request: Request):
@@ -131,7 +135,7 @@ def install_batch_routes(app: FastAPI, state) -> None:
         return batch
 
 
-def _service(state):
+def _service(state: ServerState) -> BatchService:
     """The server's BatchService, refusing while it is off (503) or the server drains (503)."""
     if state.batch is None:
         raise APIError(503, f"the Batch API is off on this server: {state.batch_off}", type="server_error",

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from dlfp.engine import InvalidRequest
 from dlfp.sequence import BACKGROUND
@@ -29,14 +30,17 @@ from dlfp.server.errors import APIError, bad_request
 from dlfp.server.jobs import chat_job, completion_job
 from dlfp.server.schemas import ChatRequest, CompletionRequest, parse
 
+if TYPE_CHECKING:
+    from dlfp.server.app import ServerState
+    from dlfp.server.batch_service import AsyncStore
+
 log = logging.getLogger("dlfp.server.batch")
 RETRY_S = 0.2  # the engine's queue was full (chat requests hold it): try again this much later
 IDLE_CHECK_S = 30.0  # with nothing to run, look for expired batches this often
 
 
 class BatchRunner:
-    def __init__(self, store, state, window: int):
-        """`store` is an AsyncStore; `state` the ServerState (bridge, backend, limits)."""
+    def __init__(self, store: AsyncStore, state: ServerState, window: int):
         self.store = store
         self.state = state
         self.window = max(1, window)

@@ -13,6 +13,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -20,6 +21,9 @@ from dlfp.server.batch_input import BatchLimits
 from dlfp.server.batch_runner import BatchRunner
 from dlfp.server.batch_store import ACTIVE, TERMINAL, BatchStore
 from dlfp.server.state_dir import StateDir
+
+if TYPE_CHECKING:
+    from dlfp.server.app import ServerState
 
 log = logging.getLogger("dlfp.server.batch")
 
@@ -64,7 +68,7 @@ class BatchService:
     def path(self) -> Path:
         return self.store.store.path
 
-    async def start(self, state) -> None:
+    async def start(self, state: ServerState) -> None:
         """Start the runner (on the server's event loop); it resumes whatever the database holds."""
         slots = state.backend.capabilities.max_sequences
         self.runner = BatchRunner(self.store, state, self.options.in_flight or slots)

@@ -6,6 +6,8 @@ exactly the reasons the same body sent to /v1 would be, with the same message.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from starlette.concurrency import run_in_threadpool
 
 from dlfp.protocol import BackendError
@@ -14,9 +16,11 @@ from dlfp.server.errors import bad_request
 from dlfp.server.limits import check_text_fits
 from dlfp.server.schemas import ChatRequest, CompletionRequest
 
+if TYPE_CHECKING:
+    from dlfp.server.app import ServerState
 
-async def chat_job(state, body: ChatRequest, priority: str, request_id: str | None = None) -> Job:
-    """`state` is the server's ServerState (backend, limits, model name)."""
+
+async def chat_job(state: ServerState, body: ChatRequest, priority: str, request_id: str | None = None) -> Job:
     model = state.check_model(body.model)
     context = state.backend.capabilities.context_per_sequence
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -31,7 +35,8 @@ async def chat_job(state, body: ChatRequest, priority: str, request_id: str | No
     return make_job(state.backend, body, ids, priority, model, True, state.limits.max_tokens_limit, request_id)
 
 
-async def completion_job(state, body: CompletionRequest, priority: str, request_id: str | None = None) -> Job:
+async def completion_job(state: ServerState, body: CompletionRequest, priority: str,
+                         request_id: str | None = None) -> Job:
     model = state.check_model(body.model)
     text = _prompt_text(body.prompt)
     if text is not None:
