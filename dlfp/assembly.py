@@ -21,7 +21,8 @@ import time
 from typing import Callable
 
 from dlfp.protocol import Backend
-from dlfp.controller import PrefillPolicy, Unbounded, parse_policy
+from dlfp.controller import parse_policy
+from dlfp.policy import PrefillPolicy, Unbounded
 from dlfp.profiles import DeviceProfile
 from dlfp.engine import Engine, EngineConfig
 from dlfp.prefix_cache import DEFAULT_HOLD_S
@@ -41,7 +42,7 @@ def make_policy(spec: str | PrefillPolicy, profile: DeviceProfile, itl_target_ms
     """A fresh policy from its name, with the profile's controller parameters."""
     if isinstance(spec, PrefillPolicy):
         return spec
-    return parse_policy(spec, profile.dlfp_params(itl_target_ms))
+    return parse_policy(spec, profile.controller_params(itl_target_ms))
 
 
 def engine_config(policy: PrefillPolicy | str, profile: DeviceProfile, seed: int = 0,

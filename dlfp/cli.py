@@ -202,7 +202,7 @@ def _policy_list(spec: str, prof, backend: str = "llamacpp") -> list[str]:
     try:
         entry = get_target(backend)
         for name in names:
-            parse_policy(name, prof.dlfp_params())
+            parse_policy(name, prof.controller_params())
             entry.check_policy(name)
     except ValueError as exc:
         raise UserError(str(exc)) from None

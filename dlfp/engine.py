@@ -37,7 +37,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep
-from dlfp.controller import PrefillPolicy, make_budget_policy
+from dlfp.policy import PrefillPolicy
+from dlfp.tail import make_budget_policy
 from dlfp.observer import StepObserver, step_shape
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sampling import sample

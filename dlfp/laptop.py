@@ -19,7 +19,7 @@ from typing import Callable
 
 from dlfp.protocol import Backend
 from dlfp.assembly import build_engine, make_policy
-from dlfp.controller import PrefillPolicy, params_to_dict
+from dlfp.policy import params_to_dict, PrefillPolicy
 from dlfp.devices.energy import energy_report
 from dlfp.profiles import DeviceProfile
 from dlfp.engine import Engine, InvalidRequest
@@ -197,7 +197,7 @@ def outputs_match(sessions: list[Session]) -> tuple[bool, list[str]]:
 
 def run_laptop(backend: Backend, settings: LaptopSettings, on_progress=None, on_session=None) -> dict:
     sessions = []
-    params = settings.profile.dlfp_params(settings.itl_target_ms)
+    params = settings.profile.controller_params(settings.itl_target_ms)
     runs = [(DECODE_ONLY, "dlfp", False)] + [(p, p, True) for p in settings.policies]
     for label, spec, with_bg in runs:
         if on_session:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from dlfp.controller import CADENCE, COMPLETION, Decision, PrefillPolicy, StepShape
+from dlfp.policy import CADENCE, COMPLETION, Decision, PrefillPolicy, StepShape
 from dlfp.trace import StepRecord, is_capped
 
 # Stamps kept for steps whose output never came back (aborted engine): a bound, not a queue size.

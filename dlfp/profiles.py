@@ -5,7 +5,8 @@ import tomllib
 from dataclasses import MISSING, dataclass, fields
 
 from dlfp.protocol import Limits
-from dlfp.controller import DLFPParams
+from dlfp.controller import params_from_table
+from dlfp.tail import TailParams
 from dlfp.devices.profile_files import bundled_profiles, profile_text
 
 
@@ -13,36 +14,28 @@ from dlfp.devices.profile_files import bundled_profiles, profile_text
 class DeviceProfile:
     name: str
     description: str
-    itl_target_ms: float
-    initial: int
-    minimum: int
-    maximum: int
-    quantum: int
     preemption_budget_ms: float  # 0: no budget
     preemption_initial: int
     # Limits, in the names every adapter uses (dlfp.protocol.Limits).
     max_sequences: int
     context_per_sequence: int
     max_batch_tokens: int
+    # The `[controller]` table: target_ms and the controller's parameters by their names
+    # (dlfp.tail.TailParams); read by one function, dlfp.controller.params_from_table.
+    controller: dict
     # Thermal governor (dlfp.devices.governor): hold background prefill back above this
     # temperature, or on battery below this charge (0: never for the battery).
     thermal_limit_c: float = 90.0
     battery_min_percent: float = 0.0
-    max_growth: float = 0.0  # largest per-step growth of the cap (0: unlimited, the paper's law)
-    # The tail-aware controller (`dlfp`); defaults as DLFPParams', see dlfp/controller.py.
-    quantile: float = 0.99
-    window: int = 128
-    forgetting: float = 0.9
-    prior_spread: float = 1.5
-    zero_cap: bool = False
-    probe_every: int = 32
 
-    def dlfp_params(self, itl_target_ms: float | None = None) -> DLFPParams:
-        target = itl_target_ms if itl_target_ms is not None else self.itl_target_ms
-        growth = self.max_growth if self.max_growth > 0 else None
-        return DLFPParams(target / 1e3, self.initial, self.minimum, self.maximum, self.quantum, growth,
-                          quantile=self.quantile, window=self.window, forgetting=self.forgetting,
-                          prior_spread=self.prior_spread, zero_cap=self.zero_cap, probe_every=self.probe_every)
+    def controller_params(self, itl_target_ms: float | None = None) -> TailParams:
+        """The controller's parameters; `itl_target_ms` overrides the profile's goal."""
+        return params_from_table(self.controller, itl_target_ms)
+
+    @property
+    def itl_target_ms(self) -> float:
+        """The foreground's ITL goal the profile sets."""
+        return float(self.controller["target_ms"])
 
     @property
     def limits(self) -> Limits:
@@ -66,4 +59,9 @@ def load_profile(name_or_path: str) -> DeviceProfile:
     missing = required - set(data)
     if unknown or missing:
         raise ValueError(f"profile {name_or_path!r}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-    return DeviceProfile(**data)
+    profile = DeviceProfile(**data)
+    try:
+        profile.controller_params()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"profile {name_or_path!r}: [controller]: {exc}") from None
+    return profile

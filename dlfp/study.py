@@ -24,7 +24,9 @@ import numpy as np
 
 from dlfp.assembly import build_engine
 from dlfp.sim import ReplayNoise, SimBackend, VirtualClock, replay_noise
-from dlfp.controller import DLFP, DLFPParams, FixedCap, PrefillPolicy, TailDLFP
+from dlfp.paper import PaperDLFP
+from dlfp.policy import FixedCap, PrefillPolicy
+from dlfp.tail import TailDLFP, TailParams
 from dlfp.profiles import DeviceProfile
 from dlfp.provenance import write_config
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
@@ -48,12 +50,12 @@ class Condition:
         return f"T={self.target_ms:g} doc={self.doc_len} shift={self.shift:g} trace={self.trace}"
 
 
-def designs(params: DLFPParams, caps: list[int]) -> dict[str, Callable[[], PrefillPolicy]]:
+def designs(params: TailParams, caps: list[int]) -> dict[str, Callable[[], PrefillPolicy]]:
     """The designs compared: static caps, the paper's law, the growth-limited law, tail-aware variants."""
     paper = replace(params, max_growth=None)
     out: dict[str, Callable[[], PrefillPolicy]] = {f"fixed:{c}": (lambda c=c: FixedCap(c)) for c in caps}
-    out["dlfp-paper"] = lambda: DLFP(paper)
-    out["eq2+growth1.25"] = lambda: DLFP(replace(params, max_growth=1.25))
+    out["dlfp-paper"] = lambda: PaperDLFP(paper)
+    out["eq2+growth1.25"] = lambda: PaperDLFP(replace(params, max_growth=1.25))
     out["dlfp"] = lambda: TailDLFP(params)
     out["dlfp q=0.98"] = lambda: TailDLFP(replace(params, quantile=0.98))
     out["dlfp q=0.95"] = lambda: TailDLFP(replace(params, quantile=0.95))
@@ -167,7 +169,7 @@ def summarize(results: list[dict], target_ms: float, phased: bool) -> dict:
 def run_study(traces: dict[str, Path], targets: list[float], doc_lens: list[int], shifts: list[float],
               seeds: list[int], caps: list[int], duration_s: float, attention_s: float,
               profile: DeviceProfile) -> dict:
-    base = profile.dlfp_params()
+    base = profile.controller_params()
     noises = {label: replay_noise(path, attention_s) for label, path in traces.items()}
     out = {"simulated": True, "traces": {k: str(v) for k, v in traces.items()},
            "fitted_cost": {k: asdict(n.fitted) for k, n in noises.items()},

@@ -26,9 +26,13 @@ TRACES = sorted((ROOT / "docs" / "traces").glob("steps-*.jsonl"))
 
 
 def _controller():
-    from dlfp import controller
+    """The controllers' names in one namespace (imported late: --write runs outside pytest)."""
+    from types import SimpleNamespace
 
-    return controller
+    from dlfp import paper, policy, tail
+
+    return SimpleNamespace(StepShape=policy.StepShape, TailParams=tail.TailParams, TailDLFP=tail.TailDLFP,
+                           make_budget_policy=tail.make_budget_policy, PaperDLFP=paper.PaperDLFP)
 
 
 def pass_cost_ms(n: int, decodes: int, pos: float, factor: float) -> float:
@@ -68,9 +72,9 @@ def closed_loop(policy, steps: int, seed: int, sigma: float, factor=lambda k: 1.
 
 def closed_loop_scenarios() -> dict[str, list]:
     c = _controller()
-    cpu = c.DLFPParams(0.100, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
-    t50 = c.DLFPParams(0.050, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
-    paper = c.DLFPParams(0.100, 4, 1, 256, 1)
+    cpu = c.TailParams(0.100, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
+    t50 = c.TailParams(0.050, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
+    paper = c.TailParams(0.100, 4, 1, 256, 1)
     out = {
         "tail-quiet": closed_loop(c.TailDLFP(cpu), 600, 1, 0.05),
         "tail-noisy": closed_loop(c.TailDLFP(cpu), 600, 2, 0.25),
@@ -81,10 +85,10 @@ def closed_loop_scenarios() -> dict[str, list]:
         "tail-device-change": closed_loop(c.TailDLFP(cpu), 600, 7, 0.1, device_change_at=300),
         "tail-two-chats": closed_loop(c.TailDLFP(cpu), 600, 8, 0.15, decodes_of=lambda k: 2 + (k // 50) % 2,
                                       protected_of=lambda k: 2),
-        "tail-no-zero": closed_loop(c.TailDLFP(c.DLFPParams(0.050, 4, 1, 256, 1, zero_cap=False)), 400, 9, 0.1,
+        "tail-no-zero": closed_loop(c.TailDLFP(c.TailParams(0.050, 4, 1, 256, 1, zero_cap=False)), 400, 9, 0.1,
                                     decodes_of=lambda k: 2),
-        "paper-completion": closed_loop(c.DLFP(paper), 400, 10, 0.1),
-        "paper-growth": closed_loop(c.DLFP(c.DLFPParams(0.100, 4, 1, 256, 1, max_growth=1.25)), 400, 11, 0.2),
+        "paper-completion": closed_loop(c.PaperDLFP(paper), 400, 10, 0.1),
+        "paper-growth": closed_loop(c.PaperDLFP(c.TailParams(0.100, 4, 1, 256, 1, max_growth=1.25)), 400, 11, 0.2),
         "budget": closed_loop(c.make_budget_policy(0.5, 32, 512), 300, 12, 0.1, decodes_of=lambda k: 0),
     }
     return out
@@ -118,7 +122,7 @@ def replay_scenarios() -> dict[str, dict]:
     c = _controller()
     out = {}
     for target in (0.050, 0.100):
-        params = c.DLFPParams(target, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
+        params = c.TailParams(target, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
         for path in TRACES:
             out[f"{path.stem}@T={target * 1e3:g}"] = replay(path, params)
     return out

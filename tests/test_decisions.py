@@ -5,12 +5,14 @@ import math
 from golden_caps import closed_loop
 
 from dlfp.sim import SimBackend, SimCost, VirtualClock
-from dlfp.controller import RULES, DLFP, DLFPParams, FixedCap, TailDLFP, Unbounded
+from dlfp.paper import PaperDLFP
+from dlfp.policy import RULES, FixedCap, Unbounded
+from dlfp.tail import TailDLFP, TailParams
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import read_steps, rule_counts
 
-CPU = DLFPParams(0.100, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
+CPU = TailParams(0.100, 4, 1, 256, 1, max_growth=1.25, zero_cap=True)
 
 
 def tail_decisions() -> tuple[list, list]:
@@ -19,9 +21,9 @@ def tail_decisions() -> tuple[list, list]:
     for params, kw in [
         (CPU, dict(steps=600, seed=2, sigma=0.25)),
         (CPU, dict(steps=600, seed=4, sigma=0.1, factor=lambda k: 3.0 if k >= 300 else 1.0)),
-        (DLFPParams(0.050, 4, 1, 256, 1, zero_cap=False), dict(steps=300, seed=9, sigma=0.1, decodes_of=lambda k: 2)),
+        (TailParams(0.050, 4, 1, 256, 1, zero_cap=False), dict(steps=300, seed=9, sigma=0.1, decodes_of=lambda k: 2)),
         # a fast device, decode-only steps first: the prior, then growth bounded while the model is young
-        (DLFPParams(0.400, 4, 1, 256, 1, max_growth=1.25), dict(steps=100, seed=3, sigma=0.05, idle_first=3)),
+        (TailParams(0.400, 4, 1, 256, 1, max_growth=1.25), dict(steps=100, seed=3, sigma=0.05, idle_first=3)),
     ]:
         policy, decisions = TailDLFP(params), []
         closed_loop(policy, decisions=decisions, **kw)
@@ -66,7 +68,7 @@ def test_model_rule_picks_the_largest_chunk_that_meets_the_setpoint():
 def test_static_policies_say_so():
     assert Unbounded().decide(1).rule == "unbounded" and Unbounded().decide(1).cap is None
     assert FixedCap(8).decide(1).rule == "fixed"
-    paper = DLFP(DLFPParams(0.1, 8, 2, 256, 2))
+    paper = PaperDLFP(TailParams(0.1, 8, 2, 256, 2))
     assert paper.decide().rule == "initial"
     paper.observe(0.2)
     assert (paper.decide().cap, paper.decide().rule) == (4, "paper")

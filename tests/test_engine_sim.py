@@ -2,12 +2,14 @@
 import pytest
 
 from dlfp.sim import SimBackend, SimCost, VirtualClock
-from dlfp.controller import DLFP, DLFPParams, FixedCap, Unbounded
+from dlfp.paper import PaperDLFP
+from dlfp.policy import FixedCap, Unbounded
+from dlfp.tail import TailParams
 from dlfp.engine import Engine, EngineConfig, InvalidRequest
 from dlfp.metrics import itls
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request, SamplingParams
 
-PARAMS = DLFPParams(0.1, 8, 2, 256, 2)
+PARAMS = TailParams(0.1, 8, 2, 256, 2)
 
 
 def run(policy, budget=0.5, n_bg=3, multi=True):
@@ -23,7 +25,7 @@ def run(policy, budget=0.5, n_bg=3, multi=True):
 
 def test_outputs_identical_across_policies_and_nothing_lost():
     outs = []
-    for policy in (Unbounded(), FixedCap(16), DLFP(PARAMS)):
+    for policy in (Unbounded(), FixedCap(16), PaperDLFP(PARAMS)):
         engine, records = run(policy, budget=None if isinstance(policy, Unbounded) else 0.5)
         assert all(r.ok for r in records.values())
         assert len(engine.trace.requests) == 4
@@ -34,7 +36,7 @@ def test_outputs_identical_across_policies_and_nothing_lost():
 
 def test_dlfp_holds_foreground_itl_near_target():
     _, unb = run(Unbounded(), budget=None)
-    engine, dl = run(DLFP(PARAMS))
+    engine, dl = run(PaperDLFP(PARAMS))
     worst_unbounded = max(itls(unb["fg"]))
     worst_dlfp = max(itls(dl["fg"]))
     assert worst_dlfp < worst_unbounded
@@ -45,7 +47,7 @@ def test_dlfp_holds_foreground_itl_near_target():
 
 
 def test_preemption_budget_bounds_isolated_background_steps():
-    engine, _ = run(DLFP(PARAMS), budget=0.2)
+    engine, _ = run(PaperDLFP(PARAMS), budget=0.2)
     alone = [s for s in engine.trace.steps if not s.guarded and s.n_prefill_bg]
     assert alone
     assert max(s.duration_s for s in alone[3:]) <= 0.2 * 1.25
@@ -99,7 +101,7 @@ def test_eos_stops_unless_ignored():
 
 
 def test_time_sliced_backend_completes_everything():
-    engine, records = run(DLFP(PARAMS), multi=False)
+    engine, records = run(PaperDLFP(PARAMS), multi=False)
     assert all(r.ok for r in records.values())
     for s in engine.trace.steps:
         assert s.n_decode + (1 if (s.n_prefill_bg or s.n_prefill_fg) else 0) <= 1
@@ -195,9 +197,10 @@ def test_finished_requests_leave_nothing_behind():
 def test_cost_doubling_mid_run_the_tail_cap_follows():
     # SIMULATED: the cost of every step doubles after 150 steps; the tail-aware cap
     # shrinks to what the doubled cost allows and the capped steps return under 1.1 T.
-    from dlfp.controller import StepShape, TailDLFP  # noqa: F401
+    from dlfp.policy import StepShape
+    from dlfp.tail import TailDLFP
 
-    params = DLFPParams(0.1, 4, 1, 256, 1, max_growth=1.25)
+    params = TailParams(0.1, 4, 1, 256, 1, max_growth=1.25)
     clock = VirtualClock()
     backend = SimBackend(SimCost(), clock=clock)
     engine = Engine(backend, TailDLFP(params), EngineConfig(preemption_budget_s=0.5), clock=clock.now)

@@ -174,7 +174,7 @@ def test_export_command_rejects_bad_sizes(tmp_path):
 
 
 def test_engine_runs_a_chat_on_the_pte(backend):
-    from dlfp.controller import FixedCap
+    from dlfp.policy import FixedCap
     from dlfp.engine import Engine, EngineConfig
     from dlfp.sequence import BACKGROUND, Request
 

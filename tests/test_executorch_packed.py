@@ -117,7 +117,7 @@ def test_a_sequence_is_untouched_by_its_neighbours(packed):
 
 
 def _engine_outputs(backend) -> list[list[int]]:
-    from dlfp.controller import FixedCap
+    from dlfp.policy import FixedCap
     from dlfp.engine import Engine, EngineConfig
     from dlfp.sequence import BACKGROUND, Request
 

@@ -11,7 +11,7 @@ from tiny_pte import tiny_packed_pte, tiny_pte  # noqa: E402
 
 from dlfp.backends.executorch import ExecuTorchBackend, ExecuTorchConfig  # noqa: E402
 from dlfp.protocol import Limits  # noqa: E402
-from dlfp.controller import FixedCap, Unbounded  # noqa: E402
+from dlfp.policy import FixedCap, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402
 

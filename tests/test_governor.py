@@ -6,7 +6,8 @@ import statistics
 import pytest
 
 from dlfp.sim import SimBackend, SimCost, VirtualClock
-from dlfp.controller import DLFP, DLFPParams
+from dlfp.paper import PaperDLFP
+from dlfp.tail import TailParams
 from dlfp.devices.governor import CLEAR, ThermalGovernor
 from dlfp.profiles import load_profile
 from dlfp.devices.reading import Reading, unavailable
@@ -15,7 +16,7 @@ from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 
 HOT = (15.0, 35.0)  # scripted: 95 C inside this window of virtual seconds, 60 C outside
 LIMIT_C = 90.0
-PARAMS = DLFPParams(0.1, 8, 2, 256, 2)
+PARAMS = TailParams(0.1, 8, 2, 256, 2)
 END_S = HOT[1] + 12.0
 
 
@@ -74,7 +75,7 @@ def run_hot_session(hot=HOT):
     # No attention term: a prompt token costs the same at any depth, so background tokens/s
     # before and after the heat compare directly.
     backend = SimBackend(SimCost(attention_s=0.0), clock=clock, context=4096)
-    engine = Engine(backend, DLFP(PARAMS), EngineConfig(preemption_budget_s=0.5), clock=clock.now)
+    engine = Engine(backend, PaperDLFP(PARAMS), EngineConfig(preemption_budget_s=0.5), clock=clock.now)
     temperature = lambda: 95.0 if hot[0] <= clock.t < hot[1] else 60.0  # noqa: E731
     governor = ThermalGovernor(lambda: zone(temperature()), limit_c=LIMIT_C, duty=0.25, period_s=1.0)
     engine.background_gate = governor
@@ -124,7 +125,7 @@ def test_governor_slows_background_and_spares_the_foreground():
 
 def test_without_a_gate_nothing_changes():
     clock = VirtualClock()
-    engine = Engine(SimBackend(clock=clock), DLFP(PARAMS), clock=clock.now).start()
+    engine = Engine(SimBackend(clock=clock), PaperDLFP(PARAMS), clock=clock.now).start()
     engine.submit(Request([1, 2, 3], 5, BACKGROUND, ignore_eos=True)).result(timeout=10)
     engine.shutdown()
     assert all(s.governor is None for s in engine.trace.steps)

@@ -5,7 +5,7 @@ pytest.importorskip("llama_cpp")
 
 from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig, ModelLoadError  # noqa: E402
 from dlfp.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
-from dlfp.controller import FixedCap, Unbounded  # noqa: E402
+from dlfp.policy import FixedCap, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig, InvalidRequest  # noqa: E402
 from dlfp.sequence import BACKGROUND, Request  # noqa: E402
 

@@ -11,7 +11,9 @@ from dlfp.backends.mlc.model_dir import CONFIG_NAME, ModelFolderError  # noqa: E
 from dlfp.backends.mlc.step import MLCStepBackend, StepConfig  # noqa: E402
 from dlfp.backends.mlc.tokenizer import ByteTokenizer  # noqa: E402
 from dlfp.protocol import BackendError, DecodeItem, Limits, PrefillChunk, StepPlan  # noqa: E402
-from dlfp.controller import DLFP, DLFPParams, Unbounded  # noqa: E402
+from dlfp.paper import PaperDLFP  # noqa: E402
+from dlfp.policy import Unbounded  # noqa: E402
+from dlfp.tail import TailParams  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402
 
@@ -163,7 +165,7 @@ def run_engine(backend, policy, budget):
 
 def test_engine_outputs_identical_under_unbounded_and_dlfp(backend):
     _, unb = run_engine(backend, Unbounded(), None)
-    engine, dl = run_engine(backend, DLFP(DLFPParams(0.005, 8, 2, 64, 2)), 0.05)
+    engine, dl = run_engine(backend, PaperDLFP(TailParams(0.005, 8, 2, 64, 2)), 0.05)
     assert all(r.ok for r in [*unb.values(), *dl.values()])
     assert {k: r.output_ids for k, r in unb.items()} == {k: r.output_ids for k, r in dl.items()}
     assert len(dl["fg"].output_ids) == 24

@@ -8,7 +8,9 @@ from click.testing import CliRunner
 from dlfp.assembly import build_engine, engine_config, is_stock
 from dlfp.sim import SimBackend, VirtualClock
 from dlfp.cli import main
-from dlfp.controller import DLFP, COMPLETION, DLFPParams, StepShape, params_from_dict, params_to_dict
+from dlfp.paper import PaperDLFP
+from dlfp.policy import COMPLETION, params_from_dict, params_to_dict, StepShape
+from dlfp.tail import TailParams
 from dlfp.devices.governor import ThermalGovernor
 from dlfp.profiles import load_profile
 from dlfp.observer import StepObserver
@@ -21,7 +23,7 @@ LAPTOP = load_profile("cpu-laptop")
 def test_every_controller_parameter_survives_the_vllm_plugin_settings():
     from dlfp.backends.vllm.settings import PluginSettings, settings_from
 
-    params = LAPTOP.dlfp_params(50)
+    params = LAPTOP.controller_params(50)
     assert params.max_growth == 1.25  # the cpu-laptop profile's growth limit
     back = settings_from(PluginSettings("dlfp", params).as_config(), environ={})
     assert back.params == params  # max_growth was dropped (None) before the one path
@@ -34,12 +36,12 @@ def test_every_controller_parameter_survives_the_vllm_plugin_settings():
 def test_describe_and_config_carry_every_field():
     from dataclasses import fields
 
-    params = DLFPParams(0.1, 4, 1, 256, 1, 1.25)
+    params = TailParams(0.1, 4, 1, 256, 1, 1.25)
     out = params_to_dict(params)
     assert out["target_ms"] == 100.0 and out["max_growth"] == 1.25
-    assert set(out) == {"target_ms"} | {f.name for f in fields(DLFPParams)} - {"target_s"}  # every field
-    assert DLFP(params).describe()["max_growth"] == 1.25
-    assert params_from_dict(params_to_dict(params), LAPTOP.dlfp_params()) == params
+    assert set(out) == {"target_ms"} | {f.name for f in fields(TailParams)} - {"target_s"}  # every field
+    assert PaperDLFP(params).describe()["max_growth"] == 1.25
+    assert params_from_dict(params_to_dict(params), LAPTOP.controller_params()) == params
     with pytest.raises(ValueError, match="unknown controller parameter"):
         params_from_dict({"target_s": 0.1}, params)
 
@@ -66,7 +68,7 @@ def test_unbounded_is_the_stock_runtime_everywhere():
     from dlfp.backends.vllm.settings import PluginSettings
 
     prof = load_profile("a100-paper")
-    stock = engine_args("m", prof, PluginSettings("unbounded", prof.dlfp_params()))
+    stock = engine_args("m", prof, PluginSettings("unbounded", prof.controller_params()))
     assert "scheduler_cls" not in stock  # the same rule decides the vLLM target's plug-in
 
 
@@ -120,7 +122,7 @@ class Clock:
 def test_observer_drops_a_stamp_from_before_a_reset():
     """A step planned before the foreground went idle must not move the next burst's cap."""
     clock = Clock()
-    policy = DLFP(DLFPParams(0.1, 8, 1, 64, 1), COMPLETION)
+    policy = PaperDLFP(TailParams(0.1, 8, 1, 64, 1), COMPLETION)
     obs = StepObserver(policy, clock)
     shape = StepShape(n_decode=1, n_prefill=8)
     cap = obs.begin(guarded=True)
@@ -139,7 +141,7 @@ def test_observer_drops_a_stamp_from_before_a_reset():
 def test_engine_and_vllm_plugin_share_one_observer():
     from dlfp.engine import Engine
 
-    engine = Engine(sim(), DLFP(LAPTOP.dlfp_params()))
+    engine = Engine(sim(), PaperDLFP(LAPTOP.controller_params()))
     assert type(engine.observer) is StepObserver
     src = (__import__("pathlib").Path(__file__).parents[1] / "backends/vllm/scheduler.py").read_text()
     assert "from dlfp.observer import StepObserver" in src

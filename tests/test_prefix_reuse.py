@@ -10,7 +10,7 @@ from prefix_steps import cold, decode, prefill  # noqa: E402
 
 from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig  # noqa: E402
 from dlfp.protocol import Limits  # noqa: E402
-from dlfp.controller import FixedCap, Unbounded  # noqa: E402
+from dlfp.policy import FixedCap, Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request  # noqa: E402
 

@@ -17,7 +17,7 @@ from tiny_gguf import CHATML, write_tiny_gguf  # noqa: E402
 
 from dlfp.sim import SimBackend  # noqa: E402
 from dlfp.cli import get_profile, open_backend  # noqa: E402
-from dlfp.controller import Unbounded  # noqa: E402
+from dlfp.policy import Unbounded  # noqa: E402
 from dlfp.engine import Engine, EngineConfig  # noqa: E402
 from dlfp.sampling import sample  # noqa: E402
 from dlfp.sequence import Request, SamplingParams  # noqa: E402

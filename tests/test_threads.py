@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dlfp.sim import SimBackend, SimCost, VirtualClock
-from dlfp.controller import DLFPParams, TailDLFP
+from dlfp.tail import TailDLFP, TailParams
 from dlfp.devices.cpu import CpuProbe, LoadWatch, OtherLoad
 from dlfp.devices.threads import ThreadGovernor
 from dlfp.engine import Engine, EngineConfig
@@ -167,7 +167,7 @@ def test_engine_drops_a_thread_while_a_neighbour_spins_and_returns_after():
     busy = (10.0, 25.0)
     neighbour = lambda: busy[0] <= clock.t < busy[1]  # noqa: E731
     backend = ThreadedSim(neighbour, cost=SimCost(attention_s=0.0), clock=clock, context=8192)
-    params = DLFPParams(target_s=0.1, initial=4, minimum=2, maximum=256, quantum=2)
+    params = TailParams(target_s=0.1, initial=4, minimum=2, maximum=256, quantum=2)
     engine = Engine(backend, TailDLFP(params), EngineConfig(preemption_budget_s=0.5), clock=clock.now)
     # The probe is scripted: a neighbour shows as one core of other programs' load.
     governor = ThreadGovernor(lambda: load(1.0 if neighbour() else 0.0), max_threads=2)
@@ -223,7 +223,7 @@ def test_each_run_starts_on_the_threads_the_backend_was_loaded_with(policy):
 def test_a_thread_change_scales_what_was_learned():
     """TailDLFP after a switch to half the threads: the learned costs, doubled, give the cap at
     once; without a factor it starts again from the initial cap."""
-    params = DLFPParams(target_s=0.1, initial=4, minimum=1, maximum=256, quantum=1)
+    params = TailParams(target_s=0.1, initial=4, minimum=1, maximum=256, quantum=1)
     policy = TailDLFP(params)
     for _ in range(40):  # a device where a decode costs 10 ms and a prompt token 5 ms
         policy.model.update(10.0, 0)
@@ -247,7 +247,7 @@ def test_reduced_thread_steps_count_against_the_backends_threads():
     assert control_counts(steps, 2) == {"zero_cap_steps": 3, "reduced_thread_steps": 3}
     assert control_counts(steps, None)["reduced_thread_steps"] == 0  # threads not under our control
     clock = VirtualClock()
-    assert Engine(ThreadedSim(lambda: False, clock=clock), TailDLFP(DLFPParams(0.1, 4, 1, 64)),
+    assert Engine(ThreadedSim(lambda: False, clock=clock), TailDLFP(TailParams(0.1, 4, 1, 64)),
                   clock=clock.now).trace.max_threads == 2
-    assert Engine(SimBackend(clock=clock), TailDLFP(DLFPParams(0.1, 4, 1, 64)),
+    assert Engine(SimBackend(clock=clock), TailDLFP(TailParams(0.1, 4, 1, 64)),
                   clock=clock.now).trace.max_threads is None

@@ -176,12 +176,13 @@ def test_unsupported_architecture_is_refused():
 # -- through the engine --------------------------------------------------------------
 
 def test_greedy_outputs_are_exact_between_policies():
-    from dlfp.controller import DLFPParams, parse_policy
+    from dlfp.controller import parse_policy
+    from dlfp.tail import TailParams
     from dlfp.engine import Engine, EngineConfig
     from dlfp.sequence import Request, SamplingParams
 
     b = make(n_batch=64)
-    params = DLFPParams(0.002, 8, 1, 64, 1)  # a target the tiny model misses: the cap moves
+    params = TailParams(0.002, 8, 1, 64, 1)  # a target the tiny model misses: the cap moves
     outputs = {}
     for policy in ("unbounded", "fixed:8", "dlfp", "dlfp-cadence"):
         eng = Engine(b, parse_policy(policy, params), EngineConfig(preemption_budget_s=0.002)).start()
@@ -196,10 +197,11 @@ def test_greedy_outputs_are_exact_between_policies():
 # -- async (pipelined) mode through the engine ----------------------------------------
 
 def _run_engine(b, policy, requests):
-    from dlfp.controller import DLFPParams, parse_policy
+    from dlfp.controller import parse_policy
+    from dlfp.tail import TailParams
     from dlfp.engine import Engine, EngineConfig
 
-    eng = Engine(b, parse_policy(policy, DLFPParams(0.002, 8, 1, 64, 1)), EngineConfig(preemption_budget_s=0.002)).start()
+    eng = Engine(b, parse_policy(policy, TailParams(0.002, 8, 1, 64, 1)), EngineConfig(preemption_budget_s=0.002)).start()
     try:
         handles = [eng.submit(r) for r in requests()]
         return {h.request_id: h.result(120) for h in handles}, eng.trace
@@ -236,7 +238,7 @@ def test_async_mode_gives_the_sync_tokens_and_really_pipelines():
 
 
 def test_async_mode_refuses_sampling_it_cannot_do():
-    from dlfp.controller import Unbounded
+    from dlfp.policy import Unbounded
     from dlfp.engine import Engine, InvalidRequest
     from dlfp.sequence import Request, SamplingParams
 

@@ -422,7 +422,7 @@ def test_target_engine_args_per_policy():
     from dlfp.profiles import load_profile
 
     prof = load_profile("a100-paper")
-    params = prof.dlfp_params()
+    params = prof.controller_params()
     stock = engine_args("m", prof, PluginSettings("unbounded", params))
     assert "scheduler_cls" not in stock and "additional_config" not in stock
     assert (stock["dtype"], stock["max_model_len"], stock["max_num_seqs"], stock["max_num_batched_tokens"],
@@ -505,7 +505,7 @@ def test_plugin_settings_travel_outside_the_compile_hash(tmp_path):
     from dlfp.profiles import load_profile
 
     prof = load_profile("a100-paper")
-    runs = [PluginSettings(p, prof.dlfp_params(), str(tmp_path / f"{p}.jsonl")) for p in ("dlfp", "dlfp-cadence")]
+    runs = [PluginSettings(p, prof.controller_params(), str(tmp_path / f"{p}.jsonl")) for p in ("dlfp", "dlfp-cadence")]
     args = [engine_args("m", prof, s) for s in runs]
     assert all("additional_config" not in a for a in args)  # vLLM hashes additional_config
     for s in runs:

@@ -50,7 +50,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from dlfp.observer import StepObserver, plan_shape  # noqa: E402
 from dlfp.backends.vllm.settings import settings_from  # noqa: E402
-from dlfp.controller import StepShape  # noqa: E402
+from dlfp.policy import StepShape
 from dlfp.trace import StepRecord  # noqa: E402
 
 

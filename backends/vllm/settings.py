@@ -10,7 +10,7 @@ read, in this order of precedence, from:
    `DLFP_QUANTUM`, `DLFP_MAX_GROWTH`, ...), inherited by vLLM's engine-core process;
 3. the device profile (default `a100-paper`, the paper's operating point).
 
-The controller parameters are every field of `DLFPParams`, serialised by
+The controller parameters are every field of `TailParams`, serialised by
 `controller.params_to_dict` / `params_from_dict`: the same path the owned-loop
 engine's traces use, so a parameter cannot be dropped on the way to the engine core.
 `policy` is one of dlfp's policies (`dlfp`, `dlfp-cadence`, `fixed:N`, `unbounded`).
@@ -22,7 +22,9 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from dlfp.controller import DLFPParams, PrefillPolicy, params_from_dict, params_to_dict, parse_policy
+from dlfp.controller import parse_policy
+from dlfp.policy import params_from_dict, params_to_dict, PrefillPolicy
+from dlfp.tail import TailParams
 from dlfp.profiles import load_profile
 
 CONFIG_KEY = "dlfp"
@@ -33,7 +35,7 @@ OWN_KEYS = ("policy", "profile", "step_trace")
 @dataclass(frozen=True)
 class PluginSettings:
     policy: str
-    params: DLFPParams
+    params: TailParams
     step_trace: str | None = None
 
     def make_policy(self) -> PrefillPolicy:
@@ -51,7 +53,7 @@ def settings_from(additional_config: Mapping | None, environ: Mapping[str, str] 
     """Merge the sources above; raise ValueError naming the bad key or value."""
     given = dict((additional_config or {}).get(CONFIG_KEY) or {})
     profile = load_profile(str(given.get("profile") or environ.get("DLFP_PROFILE") or DEFAULT_PROFILE))
-    keys = (*OWN_KEYS, *params_to_dict(profile.dlfp_params()))
+    keys = (*OWN_KEYS, *params_to_dict(profile.controller_params()))
     unknown = set(given) - set(keys)
     if unknown:
         raise ValueError(f"unknown dlfp plug-in keys {sorted(unknown)}; known: {', '.join(keys)}")
@@ -61,7 +63,7 @@ def settings_from(additional_config: Mapping | None, environ: Mapping[str, str] 
             given[key] = env
     param_values = {k: v for k, v in given.items() if k not in OWN_KEYS}
     try:
-        params = params_from_dict(param_values, profile.dlfp_params())
+        params = params_from_dict(param_values, profile.controller_params())
     except (TypeError, ValueError) as exc:
         raise ValueError(f"dlfp plug-in: {exc}") from None
     settings = PluginSettings(str(given.get("policy", "dlfp")), params, given.get("step_trace") or None)

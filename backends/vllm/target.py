@@ -125,7 +125,7 @@ class VllmTarget:
                  tensor_parallel_size: int = 1, async_scheduling: bool = True, nvml=None):
         self.model = model
         self.profile = profile
-        self.params = profile.dlfp_params(itl_target_ms)
+        self.params = profile.controller_params(itl_target_ms)
         self.tensor_parallel_size = tensor_parallel_size
         self.async_scheduling = async_scheduling
         self.extra = json.loads(os.environ.get(ENGINE_ARGS_ENV) or "{}")

@@ -139,7 +139,7 @@ def _run_overhead(args: BenchArgs, prof) -> None:
     from rich.console import Console
 
     from dlfp.bench.config import build_config
-    from dlfp.controller import params_to_dict
+    from dlfp.policy import params_to_dict
     from dlfp.bench.overhead import OverheadError, measure_overhead, print_overhead
 
     if args.backend != "llamacpp":
@@ -157,7 +157,7 @@ def _run_overhead(args: BenchArgs, prof) -> None:
     (out / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")
     from dlfp.workloads.specs import get_spec
 
-    cfg = build_config(args, get_spec(args.workload), prof, {"llamacpp": desc}, params_to_dict(prof.dlfp_params(args.itl_target_ms)))
+    cfg = build_config(args, get_spec(args.workload), prof, {"llamacpp": desc}, params_to_dict(prof.controller_params(args.itl_target_ms)))
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
     print_overhead(result, Console())
     click.echo(f"wrote {out / 'overhead.json'}")

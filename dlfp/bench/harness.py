@@ -17,7 +17,7 @@ from dlfp.bench.config import BenchArgs, build_config
 from dlfp.bench.paired import paired_table, sweep_summary
 from dlfp.bench.runner import Arm, run_trial
 from dlfp.bench.target import EngineTarget
-from dlfp.controller import params_to_dict
+from dlfp.policy import params_to_dict
 from dlfp.runs import compress_traces
 from dlfp.targets import OWNED_LOOP, TargetEntry, get_target
 from dlfp.workloads.schedule import build_schedule
@@ -110,7 +110,7 @@ def prepare(args: BenchArgs, open_backend: Callable, profile) -> Bench:
         else:
             target = _external(entry, args, profile)
         arms = [Arm(p, target, p) for p in policy_names(args)]
-        params = params_to_dict(profile.dlfp_params(args.itl_target_ms))
+        params = params_to_dict(profile.controller_params(args.itl_target_ms))
     bench = Bench(args, spec, profile, arms, Path(args.out), itl_target, params)
     for arm in arms:
         _check_fits(spec, arm, args.vocab_size)

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from dlfp.assembly import build_engine
 from dlfp.protocol import Backend
-from dlfp.controller import params_to_dict
+from dlfp.policy import params_to_dict
 from dlfp.profiles import DeviceProfile
 from dlfp.engine import Engine
 from dlfp.prefix_cache import DEFAULT_HOLD_S
@@ -49,7 +49,7 @@ class EngineTarget:
         self.backend = backend
         self.profile = profile
         self.itl_target_ms = itl_target_ms
-        self.params = profile.dlfp_params(itl_target_ms)
+        self.params = profile.controller_params(itl_target_ms)
         self.probe_period_s = probe_period_s
         self.prefix_hold_s = prefix_hold_s
         self.label = backend.name
