@@ -10,10 +10,10 @@ How many prompt tokens join:
   0 (not even one prompt token fits) keeps every background prompt and decode out,
   and a foreground prompt too (a second chat) until it has waited
   `fg_starvation_s` since it arrived; from then on it advances one token per step.
-  A step that carries one more sequence costs about a whole decode on a CPU (two
-  decodes 35 ms, one 18 ms, measured on the default model), so a one-token chunk
-  or a background decode beside the streaming chats broke T in every step it
-  rode; the chat waits for a stream to end instead, or for the bound;
+  A step that carries one more sequence costs about a whole decode on a CPU, so a
+  one-token chunk or a background decode beside the streaming chats would break T
+  in every step it rode; the chat waits for a stream to end instead, or for the
+  bound;
 - foreground prompt with no protected decode beside it: full batches;
 - background prompt with no protected decode beside it: at most the preemption
   budget's token count, so a foreground message that arrives meanwhile waits at

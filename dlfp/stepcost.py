@@ -5,13 +5,11 @@
 m sequences in the step (d decodes and c prompt chunks), n prompt tokens. a: a
 step with one decode and nothing else. s: one more sequence carrying one token
 (a second decode, or a prompt chunk's first token). t: one more token in a
-sequence that already has one. On a 2-core CPU a step pays about a whole pass
-per sequence (one decode 18 ms, two 35 ms, one decode plus a one-token chunk
-33 ms) and much less per further token of a chunk (8-10 ms), so s ~ 2t there;
-a model with one cost per token (s = t, the previous one) fitted to one-token
-chunks overpredicted larger chunks and held the cap at 2 where 4 fitted (the
-laptop job at T = 100 ms); fitted to larger chunks it underpredicted the
-one-token ones. On a GPU s ~ t ~ 0: the same model, other numbers.
+sequence that already has one. On a small CPU a step pays about a whole pass
+per sequence and much less per further token of a chunk, so s ~ 2t there; one
+cost per token (s = t) fitted to one-token chunks overpredicts larger chunks,
+and fitted to larger chunks it underpredicts one-token ones. On a GPU s ~ t ~ 0:
+the same model, other numbers.
 
 Each parameter is an exponentially weighted average of what the steps that
 measure it directly say, given the others: a from decode-only steps with one
@@ -28,11 +26,9 @@ step is the spread's business (the quantile setpoint), not the cost's. Until a
 decode-only step is seen, a is 0 and t is L / n: the paper's proportional law.
 
 Before any prompt token is measured, predictions take a pass and a token to cost
-a decode-only step each (s = t = a: the dearest a token was seen to cost on a
-CPU; on a GPU far above it, so the first guarded chunk errs small). The first
-guarded chunk used to run at the profile's `initial` cap blind: 4 tokens beside
-a decode took 61-73 ms at T = 50 ms, once a run, in every trial.
-Units: milliseconds and tokens.
+a decode-only step each (s = t = a: about the dearest a token costs on a CPU; on
+a GPU far above it, so the first guarded chunk errs small rather than running
+the profile's `initial` cap blind). Units: milliseconds and tokens.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from dlfp.trace import RequestRecord, StepRecord
 
 CHAT_PROMPT, CHAT_OUT, THINK_S = 256, 48, 2.0
 DOC_OUT, DOCS_QUEUED = 8, 4
-STEP_OVERHEAD_S = 0.0003  # the engine's own work between steps (measured: ~0.2-1% of a step)
+STEP_OVERHEAD_S = 0.0003  # the engine's own work between steps, a small share of a step
 PHASES = ("quiet-1", "shifted", "quiet-2")
 
 

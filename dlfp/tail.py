@@ -78,15 +78,15 @@ class TailDLFP(PrefillPolicy):
     the cap is 0: no background prompt token joins a guarded step (counted in
     `zero_steps`). "Would break" is the model's prediction for the minimum chunk
     times the median ratio of measured to predicted time over the steps that
-    recently carried it beside as many decodes, against the setpoint: a small step's cost is not linear
-    in its tokens on a CPU (one decode 14 ms, plus one prompt token 27 ms, plus
-    three 42 ms), so the model fitted to larger steps overpredicts it, and kept
-    background out of steps that held T (measured at T = 50 ms). The ratio, not
-    the measured time, is kept: the model follows a device that slows down, so an
-    old ratio stays true where an old time would not. The decode-only steps
-    observed meanwhile keep the base cost current, so the cap returns when the device is free again; one guarded step
-    in `probe_every` carries the minimum chunk in case the per-token cost moved,
-    where the model says that step may meet T (else at the next step that may).
+    recently carried it beside as many decodes, against the setpoint: a small
+    step's cost is not linear in its tokens on a CPU, so a model fitted to larger
+    steps overpredicts it and would keep background out of steps that hold T. The
+    ratio, not the measured time, is kept: the model follows a device that slows
+    down, so an old ratio stays true where an old time would not. The decode-only
+    steps observed meanwhile keep the base cost current, so the cap returns when
+    the device is free again; one guarded step in `probe_every` carries the
+    minimum chunk in case the per-token cost moved, where the model says that step
+    may meet T (else at the next step that may).
     Before a prompt token is measured, the decode-only steps size the first chunk
     (dlfp/stepcost.py's prior), never above `initial`.
     """
@@ -145,11 +145,11 @@ class TailDLFP(PrefillPolicy):
     def _probe_may_meet_target(self) -> bool:
         """A probe is a step the setpoint says no to; skip it where it would surely miss T:
         the model, with a pass per sequence measured within the last `probe_every`
-        observations, predicts the minimum chunk's step above T. Beside two decodes at
-        T = 50 ms (42 ms alone, 61-68 ms with one prompt token) every probe missed; the
-        decode-only steps with two decodes keep s measured there. Where s is stale (or was
-        never measured) the probe runs: refreshing it is what probes are for, and a stale
-        cost must not keep background out for good (after a noisy neighbour leaves)."""
+        observations, predicts the minimum chunk's step above T (beside two decodes at a tight
+        target even one prompt token can break it; the decode-only steps with two decodes keep
+        s measured there). Where s is stale (or was never measured) the probe runs: refreshing
+        it is what probes are for, and a stale cost must not keep background out for good
+        (after a noisy neighbour leaves)."""
         age = self.model.seq_age()
         if age is None or age >= self.params.probe_every:
             return True
@@ -230,9 +230,9 @@ class TailDLFP(PrefillPolicy):
         if not p.zero_cap or self.model.n_obs < WARMUP_OBSERVATIONS:
             return False
         expected = self.model.predict(p.minimum)
-        # Corrected by the steps that carried it beside as many decodes: beside one decode the
-        # model overpredicted a one-token chunk (ratio 0.8), beside two on one thread it did not
-        # (0.9-1.2), and the one-decode correction let 95-113 ms steps through at T = 100.
+        # Corrected by the steps that carried it beside as many decodes: how far the model
+        # errs on a one-token chunk depends on what rides beside it, so a correction learned
+        # beside one decode does not hold beside two.
         ratios = self._min_ratios.get(self.model.decodes, ())
         if expected is not None and len(ratios) >= MIN_CHUNK_MEASURED:
             expected *= sorted(ratios)[len(ratios) // 2]
@@ -251,9 +251,9 @@ class TailDLFP(PrefillPolicy):
         # going to fewer threads this errs on the safe side, since threads rarely scale
         # perfectly); without one, learn afresh from the initial cap with the warm-up
         # growth limit, as at the start of a run. A faster device (more threads) keeps
-        # the old costs: scaling them down by the thread ratio promised more than the
-        # threads gave (steps of 139 ms at T = 100 right after going back to two threads)
-        # and the next steps teach the speed-up safely. The spread is relearned either way.
+        # the old costs: threads rarely scale perfectly, so scaling the costs down by the
+        # thread ratio would promise more than the threads give; the next steps teach the
+        # speed-up safely. The spread is relearned either way.
         if cost_factor and cost_factor > 0 and self.model.ready:
             self.model.scale(max(1.0, cost_factor))
         else:

@@ -34,7 +34,7 @@ class StepRecord:
     governor: str | None = None  # thermal governor decision, when one runs
     threads: int | None = None  # the backend's step threads, where dlfp controls them
     n_decode_held: int = 0  # background decodes a guarded step's cap kept waiting
-    # The decision record of a guarded step (dlfp.controller.Decision): why it has its cap.
+    # The decision record of a guarded step (dlfp.policy.Decision): why it has its cap.
     rule: str | None = None
     predicted_ms: float | None = None  # the cost model's time for the planned step
     margin: float | None = None  # measured / predicted quantile applied to the prediction
@@ -155,7 +155,7 @@ def control_counts(steps: list[StepRecord], max_threads: int | None) -> dict:
 
 
 def rule_counts(steps: list[StepRecord]) -> dict[str, int]:
-    """Guarded steps per decision rule (dlfp.controller.RULES): which rule set the cap how often."""
+    """Guarded steps per decision rule (dlfp.policy.RULES): which rule set the cap how often."""
     counts: dict[str, int] = {}
     for s in steps:
         if s.guarded and s.rule is not None:

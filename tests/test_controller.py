@@ -356,9 +356,9 @@ def test_tail_params_validated():
 
 
 # -- small steps on a CPU: cost is not linear in the tokens, and decodes cost like tokens ----
-# Measured on the default model at T = 50 ms (runs/sweep-t50, fixed:1/2 and dlfp traces): one
-# decode 14 ms, two 28 ms; one decode plus 1, 2, 3, 4 prompt tokens 27, 38, 42, 46 ms; two
-# decodes plus one prompt token 37 ms.
+# Step times of the shape the default model shows on a 2-core CPU: one decode 14 ms, two 28 ms;
+# one decode plus 1, 2, 3, 4 prompt tokens 27, 38, 42, 46 ms; two decodes plus one prompt token
+# 37 ms.
 SMALL_STEP_MS = {0: 14.0, 1: 27.0, 2: 38.0, 3: 42.0, 4: 46.0}
 
 

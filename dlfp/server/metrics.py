@@ -51,7 +51,7 @@ class ServerMetrics:
         Gauge("dlfp_step_threads", "Threads the backend's steps run on (lowered while other programs hold cores)",
               registry=r).set_function(lambda: _or_nan(engine.backend.threads))
         self.rules = Counter("dlfp_guarded_steps", "Guarded steps per decision rule: what set the cap "
-                             "(dlfp.controller.RULES)", ["rule"], registry=r)
+                             "(dlfp.policy.RULES)", ["rule"], registry=r)
         Gauge("dlfp_controller_setpoint_seconds", "The step time the latest guarded decision planned for "
               "(target / margin; NaN: none yet)", registry=r).set_function(lambda: _setpoint_s(engine))
         evictions = Gauge("dlfp_slot_evictions", "Cached slot contents dropped for another request, per reason "
