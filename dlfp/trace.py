@@ -5,6 +5,7 @@ store them relative to the trace origin so runs can be compared.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 from dataclasses import asdict, dataclass, field
@@ -134,15 +135,20 @@ def _write_jsonl(path: Path, rows) -> None:
 
 
 def read_requests(path: Path) -> list[RequestRecord]:
-    fields = RequestRecord.__dataclass_fields__
-    with open(path) as f:
-        return [RequestRecord(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f]
+    return _read(Path(path), RequestRecord)
 
 
 def read_steps(path: Path) -> list[StepRecord]:
-    fields = StepRecord.__dataclass_fields__
-    with open(path) as f:
-        return [StepRecord(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f]
+    return _read(Path(path), StepRecord)
+
+
+def _read(path: Path, record: type) -> list:
+    """A JSONL trace, or its gzip copy (a kept run keeps only those); keys the record lacks
+    (written by a newer version) are skipped."""
+    fields = record.__dataclass_fields__
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [record(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f if line.strip()]
 
 
 def control_counts(steps: list[StepRecord], max_threads: int | None) -> dict:

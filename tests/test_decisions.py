@@ -1,4 +1,5 @@
 """The decision record: every guarded step says which rule set its cap, and the rule is true of it."""
+import gzip
 import json
 import math
 
@@ -108,3 +109,7 @@ def test_report_draws_any_step_trace_as_a_decision_timeline(tmp_path):
     assert out.exit_code == 0, out.output
     png = tmp_path / "steps-t-decisions.png"
     assert png.stat().st_size > 10_000
+    # a kept run keeps only the gzip copy: the same steps read back from it
+    gz = tmp_path / "steps-t.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert [s.rule for s in read_steps(gz)] == [s.rule for s in read_steps(path)]

@@ -209,7 +209,8 @@ def report(directory, no_table, trace_file, target_ms):
         steps = read_steps(path)
         if not steps:
             raise UserError(f"{path} holds no steps")
-        click.echo(f"wrote {decision_timeline(steps, folder / (path.stem + '-decisions.png'), target_ms, path.stem)}")
+        stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
+        click.echo(f"wrote {decision_timeline(steps, folder / (stem + '-decisions.png'), target_ms, stem)}")
         return
     if (folder / "overhead.json").exists() and not (folder / "trials.jsonl").exists():
         from rich.console import Console
