@@ -321,7 +321,9 @@ def test_endpoint_target_refuses_a_dead_url():
 
 
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(model):
-    s = Server(model, "--policy", "unbounded", "--shutdown-grace", "3")
+    # A grace far above the short request (50 tokens) and far below the long one (2,000 tokens,
+    # about 2 s of decoding on the tiny model on a quiet machine).
+    s = Server(model, "--policy", "unbounded", "--shutdown-grace", "1")
     assert s.metric("dlfp_prefill_cap_tokens") != s.metric("dlfp_prefill_cap_tokens")  # NaN: no cap
     ends: dict[str, tuple[str, str]] = {}
 

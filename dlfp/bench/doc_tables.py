@@ -295,6 +295,38 @@ def multiturn(folder: Path, cfg: dict) -> list[str]:
     return out
 
 
+def slots(folder: Path, cfg: dict) -> list[str]:
+    """Conversations beside documents, per seed against the `unbounded` arm of the same seed:
+    prompt tokens reused, later turns' TTFT, requests within the SLO, ITL, background, the
+    last document's end, and the slot evictions by reason (in-process runs record them)."""
+    rows = _rows(folder)
+    base = {r["seed"]: r for r in rows if r["policy"] == "unbounded"}
+    out = _header(["seed", "arm", "prompt tokens reused (vs unbounded)", "TTFT turns 6-8 / turn 1",
+                   "SLO met", "ITL P99 (ms)", "bg prompt tok/s (client)", "last document done (s, vs unbounded)",
+                   "evictions: conversation / background preempted"], 2)
+    for r in sorted(rows, key=lambda r: (r["seed"], _arms(rows, cfg).index(r["policy"]))):
+        b = base.get(r["seed"])
+        reused = r["fg_prompt_tokens_reused"]
+        vs = f" ({reused / b['fg_prompt_tokens_reused']:.2f}x)" if b and b["fg_prompt_tokens_reused"] and b is not r else ""
+        done = r.get("bg_last_done_s")
+        done_vs = f" ({done / b['bg_last_done_s']:.2f}x)" if b and done and b.get("bg_last_done_s") and b is not r else ""
+        ev = r.get("slot_evictions")  # an endpoint's server keeps its own: none recorded here
+        evictions = "-" if not ev and not r.get("steps") else (
+            f"{ev.get('conversation_for_foreground', 0) + ev.get('conversation_for_background', 0)} / "
+            f"{ev.get('background_preempted', 0)}")
+        out.append(_row([r["seed"], r["policy"], f"{reused:,}{vs}", _n(r.get("ttft_turns_6_8_vs_1"), 2),
+                         _slo(r),
+                         _n(r["itl_p99_ms"]), _n(r["bg_prompt_tok_s_client"]), f"{_n(done)}{done_vs}", evictions]))
+    return out
+
+
+def _slo(r: dict) -> str:
+    """Foreground requests within the workload's SLO, of those submitted (goodput_fraction's denominator)."""
+    frac = r.get("goodput_fraction")
+    n = round(r["slo_met"] / frac) if frac else None
+    return f"{r['slo_met']} / {n}" if n else str(r["slo_met"])
+
+
 def soak(folder: Path, cfg: dict) -> list[str]:
     """`dlfp soak`: every result JSON of the folder (a soak or a load test)."""
     out = _header(["run", "requests completed (length / stop)", "client hang-ups", "429s", "5xx / errors",
@@ -324,7 +356,8 @@ def study(folder: Path, cfg: dict) -> list[str]:
 
 KINDS: dict[str, Callable[[Path, dict], list[str]]] = {
     "laptop": laptop, "backends-laptop": backends_laptop, "check-model": check_model, "et-packed": et_packed,
-    "trials": trials, "sweep": sweep, "phases": phases, "paired": paired, "multiturn": multiturn, "soak": soak,
+    "trials": trials, "sweep": sweep, "phases": phases, "paired": paired, "multiturn": multiturn, "slots": slots,
+    "soak": soak,
     "study": study,
 }
 
