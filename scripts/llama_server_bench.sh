@@ -96,7 +96,7 @@ if [ "$LLAMA_SERVER" = 1 ]; then
 fi
 for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
   read -r policy port <<<"$spec"
-  "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" \
+  "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" --state-dir "$OUT/state-$policy" \
     >"$OUT/dlfp-serve-$policy.log" 2>&1 &
   PIDS+=($!)
 done

@@ -310,8 +310,8 @@ def slots(folder: Path, cfg: dict) -> list[str]:
         vs = f" ({reused / b['fg_prompt_tokens_reused']:.2f}x)" if b and b["fg_prompt_tokens_reused"] and b is not r else ""
         done = r.get("bg_last_done_s")
         done_vs = f" ({done / b['bg_last_done_s']:.2f}x)" if b and done and b.get("bg_last_done_s") and b is not r else ""
-        ev = r.get("slot_evictions")  # an endpoint's server keeps its own: none recorded here
-        evictions = "-" if not ev and not r.get("steps") else (
+        ev = r.get("slot_evictions")  # an endpoint's server keeps its own, an older build none: not recorded
+        evictions = "-" if ev is None or (not ev and not r.get("steps")) else (
             f"{ev.get('conversation_for_foreground', 0) + ev.get('conversation_for_background', 0)} / "
             f"{ev.get('background_preempted', 0)}")
         out.append(_row([r["seed"], r["policy"], f"{reused:,}{vs}", _n(r.get("ttft_turns_6_8_vs_1"), 2),
