@@ -75,7 +75,7 @@ ALL = (
                 install="pip install -e '.[nvidia]' vllm==0.32.0 on a GPU machine"),
     TargetEntry("mlc-engine", EXTERNAL, "dlfp.backends.mlc.engine_mode:make_target",
                 "MLC-LLM's AsyncMLCEngine; background admission is the only lever",
-                policies=("unbounded", "dlfp"), options=("itl_target_ms",), install="install MLC-LLM from its own channel (https://mlc.ai/wheels)"),
+                policies=("unbounded", "admission"), options=("itl_target_ms",), install="install MLC-LLM from its own channel (https://mlc.ai/wheels)"),
 )
 TARGETS: dict[str, TargetEntry] = {t.name: t for t in ALL}
 

@@ -219,8 +219,8 @@ def run_target(policy, fg_gap):
     return engine, target, trace, fg, bg
 
 
-def test_dlfp_holds_background_back_while_the_foreground_is_over_target():
-    engine, target, trace, fg, bg = run_target("dlfp", fg_gap=0.03)
+def test_admission_holds_background_back_while_the_foreground_is_over_target():
+    engine, target, trace, fg, bg = run_target("admission", fg_gap=0.03)
     assert engine.started["bg-0"] >= fg.record.token_times[-1]  # admitted only once the foreground ended
     assert {r.request_id for r in trace.requests} == {"fg-0", "bg-0"} and all(r.ok for r in trace.requests)
     assert len(fg.record.token_times) == 4 and fg.text == " The tide turns."
@@ -243,7 +243,7 @@ def test_engine_mode_declares_it_cannot_chunk_per_step_and_refuses_cap_policies(
     assert not caps.owned_loop and not caps.per_step_chunking and caps.max_batch_tokens == 64
     with pytest.raises(ValueError, match="fixes prefill_chunk_size at load"):
         target.open("fixed:32")
-    target.open("dlfp")
+    target.open("admission")
     with pytest.raises(ValueError, match="empty"):
         target.submit(Request([], 4, FOREGROUND, request_id="bad"))
     assert target.close().requests[0].error == "the prompt is empty"
@@ -301,7 +301,7 @@ def test_live_mlc_engine():
     if not model:
         pytest.skip("live MLCEngine test: set DLFP_MLC_MODEL to an MLC model folder or HF://mlc-ai/... id")
     target = make_target(model, load_profile("cpu-laptop"))
-    target.open("dlfp")
+    target.open("admission")
     h = target.submit(Request(list(range(100, 140)), 8, FOREGROUND, ignore_eos=True))
     trace = target.close()
     target.shutdown()

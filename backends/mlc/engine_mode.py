@@ -29,6 +29,9 @@ INSTALL_HINT = (
     "(pick the CUDA/ROCm/Metal variant for your device; see https://llm.mlc.ai/docs/install/mlc_llm.html)"
 )
 TIMING_ENGINE = "engine-internal"  # MLC times its own steps; dlfp sees only the stream
+# The one policy this mode has: background requests held back while the foreground's ITL is
+# over target. Not `dlfp`, which sizes each step's prompt tokens and cannot act here.
+ADMISSION = "admission"
 CLOSE_TIMEOUT_S = 600.0  # close() waits this long for running requests, then aborts them
 ABORT_WAIT_S = 5.0
 
@@ -250,13 +253,13 @@ class MLCEngineTarget:
         bg_limit = max(1, self.profile.max_sequences - 1)  # one sequence stays free for the foreground
         if policy == "unbounded":
             self.admission = BackgroundAdmission(None, bg_limit)
-        elif policy == "dlfp":
+        elif policy == ADMISSION:
             self.admission = BackgroundAdmission(self.target_s, bg_limit)
-            self.trace.note("mlc engine mode: dlfp acts by background admission only; "
+            self.trace.note("mlc engine mode: background admission only, against the ITL target; "
                             f"prefill_chunk_size fixed at {self.prefill_chunk_size} by the engine")
         else:
             raise ValueError(f"mlc engine mode cannot run policy {policy!r}: it fixes prefill_chunk_size at load, "
-                             "so only 'unbounded' and 'dlfp' (background admission control) apply")
+                             f"so only 'unbounded' and '{ADMISSION}' (background admission control) apply")
 
     def submit(self, request: Request) -> EngineHandle:
         if self.admission is None:
