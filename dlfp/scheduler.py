@@ -181,6 +181,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.cache.release(seq.slot, None if reason == FinishReason.ERROR else _cached_tokens(seq), now)
+            if reason == FinishReason.ERROR:  # a failed step never comes back to `update`
+                self._on_device.pop(seq.slot, None)
         else:
             self.waiting[seq.priority] = deque(s for s in self.waiting[seq.priority] if s is not seq)
             seq.slot = None

@@ -96,3 +96,34 @@ def test_background_holds_what_the_conversations_leave_and_at_least_one_slot():
     assert cache.acquire([9] * 10, BACKGROUND, now=2.0) is not None  # the one spare slot
     assert cache.acquire([8] * 10, BACKGROUND, now=2.0) is None  # no conversation's slot for a second
     assert cache.background_share(200.0) == 4 - 0  # the conversations expired: all slots
+
+
+def test_slots_whose_step_failed_on_the_device_stay_preemptible():
+    """A launched step never comes back when it fails (its requests end with the error): the
+    slots it ran on must not count as busy on the device for the next requests that hold them."""
+    from dlfp.protocol import TIMING_SYNC_WALL, Capabilities
+    from dlfp.scheduler import Scheduler
+    from dlfp.sequence import FinishReason, Sequence, Status
+
+    def request(rid: str, priority: str, first: int) -> Sequence:
+        return Sequence(Request(list(range(first, first + 200)), 4, priority, request_id=rid), arrival_s=0.0)
+
+    sched = Scheduler(Capabilities(True, True, True, TIMING_SYNC_WALL, 3, 1024, 256, 2000, prefix_reuse=True),
+                      prefix_reuse=True)
+    sched.add(request("chat0", FOREGROUND, 1))
+    sched.add(request("doc0", BACKGROUND, 300))
+    sched.add(request("doc1", BACKGROUND, 600))
+    chat0, doc0, doc1 = sched.admit(now=0.0)
+    chat0.n_prefilled, chat0.output_ids, chat0.status = 200, [5], Status.DECODING  # the chat streams
+    step = sched.plan(cap=250, bg_cap=None, now=0.0)
+    assert {c.seq_id for c in step.plan.prefills} == {doc0.slot, doc1.slot}
+    sched.launched(step)  # pipelined: on the device, not yet back; then it fails there
+    for seq in (chat0, doc0, doc1):
+        sched.finish(seq, FinishReason.ERROR, now=0.1, error="device step failed")
+    sched.add(request("chat0-again", FOREGROUND, 1))
+    sched.add(request("doc2", BACKGROUND, 900))
+    sched.add(request("doc3", BACKGROUND, 1200))
+    assert len(sched.admit(now=0.2)) == 3  # the same three slots
+    sched.add(request("chat1", FOREGROUND, 1500))  # background (two slots) is over its share now
+    assert [s.request.request_id for s in sched.admit(now=0.3)] == ["chat1"]
+    assert sched.cache.evictions.get(PREEMPT_BACKGROUND) == 1
