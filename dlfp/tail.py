@@ -133,7 +133,7 @@ class TailDLFP(PrefillPolicy):
     def _set(self, cap: int, rule: str) -> None:
         """The cap for the coming guarded steps, and the decision record that explains it: the
         model's prediction and the margin as they stood when it was planned."""
-        self._cap, self._rule = cap, rule
+        self._cap = cap
         self._plan = self._decision(cap, rule)
 
     def _decision(self, cap: int, rule: str) -> Decision:
