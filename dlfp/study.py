@@ -24,7 +24,8 @@ import numpy as np
 
 from dlfp.assembly import build_engine
 from dlfp.sim import ReplayNoise, SimBackend, VirtualClock, replay_noise
-from dlfp.paper import PaperDLFP
+from dlfp.controller import parse_policy
+from dlfp.paper import PaperDLFP, PaperParams
 from dlfp.policy import FixedCap, PrefillPolicy
 from dlfp.tail import TailDLFP, TailParams
 from dlfp.profiles import DeviceProfile
@@ -52,10 +53,9 @@ class Condition:
 
 def designs(params: TailParams, caps: list[int]) -> dict[str, Callable[[], PrefillPolicy]]:
     """The designs compared: static caps, the paper's law, the growth-limited law, tail-aware variants."""
-    paper = replace(params, max_growth=None)
     out: dict[str, Callable[[], PrefillPolicy]] = {f"fixed:{c}": (lambda c=c: FixedCap(c)) for c in caps}
-    out["dlfp-paper"] = lambda: PaperDLFP(paper)
-    out["eq2+growth1.25"] = lambda: PaperDLFP(replace(params, max_growth=1.25))
+    out["dlfp-paper"] = lambda: parse_policy("dlfp-paper", params)
+    out["eq2+growth1.25"] = lambda: PaperDLFP(replace(PaperParams.of(params), max_growth=1.25))
     out["dlfp"] = lambda: TailDLFP(params)
     out["dlfp q=0.98"] = lambda: TailDLFP(replace(params, quantile=0.98))
     out["dlfp q=0.95"] = lambda: TailDLFP(replace(params, quantile=0.95))
