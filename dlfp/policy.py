@@ -57,10 +57,9 @@ RULES = {
     "prior": "planned from the decode-only steps before a prompt token was measured (at most initial)",
     "model": "the largest chunk whose predicted time times the margin meets the target",
     "minimum": "not even the minimum chunk fits, and background may not be held out",
+    "miss": "the last step missed the target: the model's chunk at that step's own measured / predicted ratio",
     "hold": "not even the minimum chunk fits: background prompt tokens are held out (cap 0)",
     "probe": "a minimum chunk while background is held out, to measure whether it fits again",
-    "reflex": "the last step missed the target: equation (2) on the tokens it carried",
-    "warmup": "the cost model is young: the cap grows by a bounded factor per step",
 }
 
 

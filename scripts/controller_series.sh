@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The controller's side-by-side series: a baseline build's `dlfp` and this checkout's on the
+# same seeds, workloads and targets, in one sitting on a quiet machine. Each (build,
+# condition) is one `dlfp bench --policies dlfp` over SEEDS into runs/<today>-controller-<cond>
+# (this checkout) and ...-<cond>-base (the baseline); the builds alternate which runs first.
+# The baseline runs from BASE_DIR (e.g. a git worktree of main) with this checkout's venv
+# and BASE_DIR first on PYTHONPATH, so its provenance names its own commit.
+#
+#   git worktree add /tmp/main-old main && BASE_DIR=/tmp/main-old bash scripts/controller_series.sh
+#   CONDS="t100 nn" BASE_DIR=... bash scripts/controller_series.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+HERE=$(pwd)
+PY=${PY:-$HERE/.venv/bin/python}
+BASE_DIR=${BASE_DIR:?set BASE_DIR to the baseline checkout}
+SEEDS=${SEEDS:-801 802 803 821 822 823}
+CONDS=${CONDS:-t100 nn t50 li}
+NICE=${NICE:--15}
+R=$HERE/runs/${DATE:-$(date -u +%F)}-controller
+LOG=${LOG:-$HERE/runs/controller_series.log}
+mkdir -p runs
+
+declare -A ARGS=(
+  [t100]="--workload laptop"
+  [t50]="--workload laptop --itl-target-ms 50"
+  [nn]="--workload noisy-neighbour"
+  [li]="--workload low-interference"
+)
+
+one() {  # build-dir out-suffix cond
+  local dir=$1 out=$2 cond=$3
+  echo "=== $(date -u +%H:%M:%S) $dir $cond -> $out" | tee -a "$LOG"
+  SECONDS=0
+  # shellcheck disable=SC2086
+  (cd "$dir" && PYTHONPATH="$dir" nice -n "$NICE" "$PY" -m dlfp.cli bench ${ARGS[$cond]} --policies dlfp \
+      --seeds $SEEDS --out "$out") >>"$LOG" 2>&1
+  echo "    rc $?, took $SECONDS s" | tee -a "$LOG"
+}
+
+i=0
+for cond in $CONDS; do
+  [ -n "${ARGS[$cond]:-}" ] || { echo "unknown condition $cond (one of ${!ARGS[*]})" >&2; exit 2; }
+  if (( i % 2 == 0 )); then
+    one "$BASE_DIR" "$R-$cond-base" "$cond"; one "$HERE" "$R-$cond" "$cond"
+  else
+    one "$HERE" "$R-$cond" "$cond"; one "$BASE_DIR" "$R-$cond-base" "$cond"
+  fi
+  i=$((i + 1))
+done
