@@ -49,7 +49,7 @@ def engine_config(policy: PrefillPolicy | str, profile: DeviceProfile, seed: int
                   prefix_hold_s: float = DEFAULT_HOLD_S) -> EngineConfig:
     budget = None if is_stock(policy) else profile.preemption_budget_s
     return EngineConfig(preemption_budget_s=budget, preemption_initial=profile.preemption_initial, seed=seed,
-                        prefix_hold_s=prefix_hold_s)
+                        prefix_hold_s=prefix_hold_s, ttft_goal_s=profile.ttft_goal_ms / 1e3)
 
 
 def build_engine(

@@ -1,7 +1,7 @@
 """One place maps a policy's name to a policy: `unbounded`, `fixed:N`, `dlfp` (the
 tail-aware controller, dlfp/tail.py), `dlfp-paper` and `dlfp-cadence` (the paper's law,
-dlfp/paper.py, timed by completion or by its scheduler-call proxy); and a device
-profile's controller table to the parameters they take.
+dlfp/paper.py, timed by completion or by its scheduler-call proxy); a device profile's
+controller table to the parameters they take; and the preemption budget's policy.
 """
 from __future__ import annotations
 
@@ -57,3 +57,13 @@ def parse_policy(spec: str, defaults: TailParams) -> PrefillPolicy:
     if spec == "dlfp-cadence":
         return PaperDLFP(replace(PaperParams.of(defaults), max_growth=None), CADENCE)
     raise ValueError(f"unknown policy {spec!r}: use {', '.join(POLICY_NAMES)}")
+
+
+def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> PrefillPolicy:
+    """Sizes isolated background chunks so a step stays within the preemption budget.
+
+    The same law aimed at the budget: a foreground message that arrives meanwhile waits
+    for at most about one such step. Never 0, since isolated background prefill must progress.
+    """
+    initial = max(1, min(initial, max_tokens))
+    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False), name="budget")

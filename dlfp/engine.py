@@ -38,11 +38,11 @@ import numpy as np
 
 from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep
 from dlfp.policy import PrefillPolicy
-from dlfp.tail import make_budget_policy
+from dlfp.controller import make_budget_policy
 from dlfp.observer import StepObserver, step_shape
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sampling import sample
-from dlfp.scheduler import PlannedStep, Scheduler
+from dlfp.scheduler import DEFAULT_TTFT_GOAL_S, PlannedStep, Scheduler
 from dlfp.sequence import FOREGROUND, FinishReason, Request, Sequence, Status
 from dlfp.trace import RequestRecord, StepRecord, Trace
 
@@ -138,6 +138,7 @@ class EngineConfig:
     idle_wait_s: float = 0.05
     prefix_reuse: bool = True  # reuse cached prompt prefixes where the backend can (requests may opt out)
     prefix_hold_s: float | None = DEFAULT_HOLD_S  # a conversation's cached prefix is kept from background this long
+    ttft_goal_s: float = DEFAULT_TTFT_GOAL_S  # a foreground request's TTFT goal where it names none (the profile's)
 
 
 class Engine:
@@ -157,7 +158,7 @@ class Engine:
         self.trace.max_threads = backend.max_threads if backend.threads is not None else None
         caps = backend.capabilities
         self.scheduler = Scheduler(caps, self.config.protect, backend.is_eos, self.config.prefix_reuse,
-                                   self.config.prefix_hold_s)
+                                   self.config.prefix_hold_s, self.config.ttft_goal_s)
         self.trace.slot_evictions = self.scheduler.cache.evictions  # counted where slots are chosen
         budget = None
         if self.config.preemption_budget_s is not None:
@@ -360,10 +361,10 @@ class Engine:
         obs = self.observer
         if self.thread_governor is not None:
             self._set_threads(self.thread_governor(self.clock()))
-        cap = obs.begin(self.scheduler.guarded(), len(self.scheduler.decoding()))
+        sched = self.scheduler
+        cap = obs.begin(sched.guarded(), sched.planned_decodes(), sched.itl_target_s(), sched.turn_loading())
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
-        step = self.scheduler.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed,
-                                   now=self.clock())
+        step = sched.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed)
         self._step_no += 1
         obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label,
@@ -512,6 +513,8 @@ class Engine:
             n_prefill_chunks=seq.n_prefill_chunks,
             cached_prompt_tokens=seq.n_cached,
             preemptions=seq.preemptions,
+            itl_target_s=seq.request.itl_target_s,
+            ttft_goal_s=seq.request.ttft_goal_s,
         )
         self.trace.add_request(record)
         return record

@@ -32,6 +32,22 @@ class SLO:
         return self.e2el_s is None or e2el(r) <= self.e2el_s
 
 
+# A request meets its ITL goal when its own P99 ITL is within this factor of its target
+# (the bound every benchmark here holds the foreground's P99 to).
+ITL_GOAL_TOLERANCE = 1.1
+
+
+def goals_met(r: RequestRecord, ttft_goal_s: float | None, itl_target_s: float | None) -> bool:
+    """The request's own goals: it completed, its TTFT is within `ttft_goal_s`, and the P99 of
+    its own ITLs is within 1.1 x `itl_target_s` (a goal of None is not judged)."""
+    if not r.ok or not r.token_times:
+        return False
+    if ttft_goal_s is not None and ttft(r) > ttft_goal_s:
+        return False
+    p99 = percentile(itls(r), 99)
+    return itl_target_s is None or p99 is None or p99 <= ITL_GOAL_TOLERANCE * itl_target_s
+
+
 def ttft(r: RequestRecord) -> float:
     return r.token_times[0] - r.arrival_s
 

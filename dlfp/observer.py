@@ -31,7 +31,7 @@ cap of a new decode burst.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Hashable
 
 from dlfp.policy import CADENCE, COMPLETION, Decision, PrefillPolicy, StepShape
@@ -90,9 +90,12 @@ class StepObserver:
         self.decision: Decision | None = None  # the policy's latest decision (None before a guarded step)
 
     # -- planning ----------------------------------------------------------
-    def begin(self, guarded: bool, n_decode: int | None = None) -> int | None:
+    def begin(self, guarded: bool, n_decode: int | None = None, target_s: float | None = None,
+              turn_loading: bool = False) -> int | None:
         """Before planning: the cadence observation, then the cap (None: no cap for this step).
-        `n_decode`: the decodes the step will carry, where the caller knows them."""
+        `n_decode`: the decodes the step will carry, where the caller knows them; `target_s`: the
+        tightest ITL target the streaming requests named (None: the policy's); `turn_loading`: a
+        foreground prompt loads beside them, so a cap of 0 makes it wait (the record says so)."""
         t = self.clock()
         self._call = t
         self.last_observed = None
@@ -103,8 +106,11 @@ class StepObserver:
             self.policy.reset()
             self._epoch += 1
             return None
-        self.decision = self.policy.decide(n_decode)
-        return self.decision.cap
+        decision = self.policy.decide(n_decode, target_s)
+        if turn_loading and decision.rule == "hold":
+            decision = replace(decision, rule="wait")
+        self.decision = decision
+        return decision.cap
 
     def budget_cap(self) -> int | None:
         """The cap for isolated background prefill this step (None: no budget)."""

@@ -58,6 +58,7 @@ RULES = {
     "model": "the largest chunk whose predicted time times the margin meets the target",
     "minimum": "not even the minimum chunk fits, and background may not be held out",
     "miss": "the last step missed the target: the model's chunk at that step's own measured / predicted ratio",
+    "wait": "a new turn's prompt waits: not even its minimum chunk fits beside the streaming chats, whose targets come first",
     "hold": "not even the minimum chunk fits: background prompt tokens are held out (cap 0)",
     "probe": "a minimum chunk while background is held out, to measure whether it fits again",
 }
@@ -87,13 +88,15 @@ class PrefillPolicy(ABC):
     source: str = COMPLETION
 
     @abstractmethod
-    def decide(self, n_decode: int | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
         """The prompt-token cap for the next guarded step (None: no cap) and why. `n_decode`:
         the decodes that step will carry, where the caller knows it (a policy that learns the
-        step's cost plans for them). Asked once per guarded step: a policy may count the asks."""
+        step's cost plans for them). `target_s`: the ITL target this step must meet where the
+        streaming requests named one (the tightest), else None: the policy's own. Asked once
+        per guarded step: a policy may count the asks."""
 
-    def cap(self, n_decode: int | None = None) -> int | None:
-        return self.decide(n_decode).cap
+    def cap(self, n_decode: int | None = None, target_s: float | None = None) -> int | None:
+        return self.decide(n_decode, target_s).cap
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         """Latency of a guarded step that has completed.
@@ -126,7 +129,7 @@ class Unbounded(PrefillPolicy):
 
     name = "unbounded"
 
-    def decide(self, n_decode: int | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
         return Decision(None, "unbounded", n_decode)
 
 
@@ -139,7 +142,7 @@ class FixedCap(PrefillPolicy):
         self.tokens = tokens
         self.name = f"fixed:{tokens}"
 
-    def decide(self, n_decode: int | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
         return Decision(self.tokens, "fixed", n_decode)
 
     def describe(self) -> dict:

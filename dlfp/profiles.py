@@ -27,6 +27,8 @@ class DeviceProfile:
     # temperature, or on battery below this charge (0: never for the battery).
     thermal_limit_c: float = 90.0
     battery_min_percent: float = 0.0
+    # A foreground request's time-to-first-token goal where it names none: its prompt's deadline.
+    ttft_goal_ms: float = 5000.0
 
     def controller_params(self, itl_target_ms: float | None = None) -> TailParams:
         """The controller's parameters; `itl_target_ms` overrides the profile's goal."""

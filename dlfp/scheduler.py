@@ -6,14 +6,16 @@ Each step, in order:
 
 How many prompt tokens join:
 - guarded step (a protected sequence decodes): at most the policy's cap, shared by
-  all prompts of the step. The policy plans for every decode of the step; a cap of
-  0 (not even one prompt token fits) keeps every background prompt and decode out,
-  and a foreground prompt too (a second chat) until it has waited
-  `fg_starvation_s` since it arrived; from then on it advances one token per step.
-  A step that carries one more sequence costs about a whole decode on a CPU, so a
-  one-token chunk or a background decode beside the streaming chats would break T
-  in every step it rode; the chat waits for a stream to end instead, or for the
-  bound;
+  all prompts of the step. The policy plans for every decode of the step, against the
+  tightest ITL target among the streaming chats (a request's own `itl_target_s`, else
+  the policy's). A cap of 0 (not even one prompt token fits) keeps every background
+  prompt and decode out. While a foreground prompt (a new turn) loads, the streaming
+  chats' targets come first and the new turn second: background prompts and decodes
+  wait, the policy plans for the protected decodes alone, and the turn's chunk is the
+  largest that meets the target; where not even its minimum chunk fits, it waits for
+  a stream to end (a step that carried it would break every streaming chat's target,
+  failing each of their goals to serve one). Foreground prompts load earliest
+  deadline first (arrival plus the request's `ttft_goal_s`, else the default goal);
 - foreground prompt with no protected decode beside it: full batches;
 - background prompt with no protected decode beside it: at most the preemption
   budget's token count, so a foreground message that arrives meanwhile waits at
@@ -38,9 +40,9 @@ from dlfp.prefix_cache import DEFAULT_HOLD_S, PREEMPT_BACKGROUND, PrefixCache
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Sequence, Status
 from dlfp.trace import is_capped
 
-# How long a foreground prompt may be kept out by a cap of 0 before it advances one token
-# per step: the laptop workload's TTFT SLO, well past a typical reply's streaming time.
-FG_STARVATION_S = 5.0
+# A foreground request's time-to-first-token goal where it names none: the laptop
+# workload's TTFT SLO. It orders waiting prompts (earliest deadline first).
+DEFAULT_TTFT_GOAL_S = 5.0
 
 
 @dataclass
@@ -80,10 +82,10 @@ class Scheduler:
         is_eos: Callable[[int], bool] = lambda token: False,
         prefix_reuse: bool = False,
         prefix_hold_s: float | None = DEFAULT_HOLD_S,
-        fg_starvation_s: float | None = FG_STARVATION_S,
+        ttft_goal_s: float = DEFAULT_TTFT_GOAL_S,
     ):
         self.caps = caps
-        self.fg_starvation_s = fg_starvation_s  # None: a foreground prompt never waits at cap 0
+        self.ttft_goal_s = ttft_goal_s  # the deadline of a foreground prompt that names no goal
         self.is_eos = is_eos
         self.protect = protect  # classes whose decodes the cap guards
         self.waiting: dict[str, deque[Sequence]] = {FOREGROUND: deque(), BACKGROUND: deque()}
@@ -266,18 +268,34 @@ class Scheduler:
     def guarded(self) -> bool:
         return any(s.priority in self.protect for s in self.decoding())
 
+    def turn_loading(self) -> bool:
+        """A foreground prompt loads beside a streaming chat: background waits this step."""
+        return self.guarded() and any(s.priority == FOREGROUND and s.status == Status.PREFILLING
+                                      for s in self.running)
+
+    def planned_decodes(self) -> int:
+        """The decodes the next guarded step carries if its cap lets prompt tokens in."""
+        decoding = self.decoding()
+        if self.turn_loading():
+            return sum(1 for s in decoding if s.priority in self.protect)
+        return len(decoding)
+
+    def itl_target_s(self) -> float | None:
+        """The tightest ITL target among the streaming protected requests (None: none named one)."""
+        named = [s.request.itl_target_s for s in self.decoding()
+                 if s.priority in self.protect and s.request.itl_target_s is not None]
+        return min(named) if named else None
+
     # -- planning ----------------------------------------------------------
-    def plan(self, cap: int | None, bg_cap: int | None, background: bool = True,
-             now: float | None = None) -> PlannedStep:
+    def plan(self, cap: int | None, bg_cap: int | None, background: bool = True) -> PlannedStep:
         """The next step. `background=False` (the thermal governor's hold) keeps every
         background prompt out of this step, guarded or not; background decodes still run.
-        `now` (the clock sequences' arrivals are on) ages foreground prompts held at cap 0;
-        None: they are never held.
 
-        A guarded step's cap of 0 keeps the unprotected (background) decodes waiting with
-        the background prompts: another sequence in a CPU step costs about a whole decode,
-        so they broke T in the steps the cap had kept free of prompt tokens. Under any
-        other cap they join (the policy plans for every decode: `decoding()`)."""
+        A guarded step's cap of 0, or a new turn loading beside the streams, keeps the
+        unprotected (background) decodes waiting with the background prompts: another
+        sequence in a CPU step costs about a whole decode, so they broke T in the steps the
+        cap had kept free of prompt tokens. Under any other cap they join (the policy
+        plans for every decode: `planned_decodes()`)."""
         decoding = self.decoding()
         prefilling = self._prefill_order()
         guarded = any(s.priority in self.protect for s in decoding)
@@ -285,7 +303,9 @@ class Scheduler:
             decoding, prefilling = self._time_slice(decoding, prefilling)
         n_held = 0
         protected = [s for s in decoding if s.priority in self.protect]
-        if guarded and cap == 0 and background:  # background decodes wait with background prompts
+        fg_loading = any(s.priority == FOREGROUND for s in prefilling)
+        turn_first = guarded and fg_loading
+        if guarded and (cap == 0 and background or turn_first):  # background decodes wait with its prompts
             n_held, decoding = len(decoding) - len(protected), protected
 
         # A token still in flight is fed from the device (pipelined engines).
@@ -296,14 +316,11 @@ class Scheduler:
         room = self.caps.max_batch_tokens - plan.n_decode
         if guarded and cap is not None:
             room = min(room, cap)
-        fg_loading = any(s.priority == FOREGROUND for s in prefilling)
         counts = {FOREGROUND: 0, BACKGROUND: 0}
         for seq in prefilling:
-            if seq.priority == BACKGROUND and not background:
+            if seq.priority == BACKGROUND and (not background or turn_first):
                 break  # prefilling is sorted foreground first
             limit = room
-            if cap == 0 and guarded and seq.priority == FOREGROUND and not counts[FOREGROUND]:
-                limit = 1 if self._starving(seq, now) else 0  # a second chat must not starve
             if seq.priority == BACKGROUND and not guarded:
                 if fg_loading:
                     break  # the foreground prompt gets the whole device
@@ -329,12 +346,15 @@ class Scheduler:
             n_decode_protected=len(protected),
         )
 
-    def _starving(self, seq: Sequence, now: float | None) -> bool:
-        return now is None or self.fg_starvation_s is None or now - seq.arrival_s >= self.fg_starvation_s
-
     def _prefill_order(self) -> list[Sequence]:
+        """Foreground prompts earliest deadline first, then background ones in admission order."""
         loading = [s for s in self.running if s.status == Status.PREFILLING]
-        return sorted(loading, key=lambda s: s.priority != FOREGROUND)  # stable: FIFO within class
+        fg = sorted((s for s in loading if s.priority == FOREGROUND), key=self.deadline_s)  # stable: FIFO on ties
+        return fg + [s for s in loading if s.priority != FOREGROUND]
+
+    def deadline_s(self, seq: Sequence) -> float:
+        goal = seq.request.ttft_goal_s
+        return seq.arrival_s + (self.ttft_goal_s if goal is None else goal)
 
     def _time_slice(self, decoding: list[Sequence], prefilling: list[Sequence]):
         """One sequence per step for backends that cannot batch sequences.

@@ -64,6 +64,9 @@ class Request:
     request_id: str = ""
     tag: str = ""  # free-form label carried into the trace (turn number, document name)
     cache_prompt: bool = True  # may start from a slot's cached prefix (llama.cpp's field; False: cold prefill)
+    # A foreground request's own goals (None: the engine's defaults). Background work has none.
+    itl_target_s: float | None = None  # the controller holds the tightest streaming request's target
+    ttft_goal_s: float | None = None  # its prompt's deadline is arrival + this; prompts load earliest deadline first
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -79,6 +82,14 @@ class Request:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {[str(p) for p in PRIORITIES]}, got {self.priority!r}")
+        for name in ("itl_target_s", "ttft_goal_s"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            if self.priority != FOREGROUND:
+                raise ValueError(f"{name} is a foreground request's goal; a {self.priority} request has none")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.prompt_ids:

@@ -55,6 +55,13 @@ def relative_change(baseline: float | None, candidate: float | None) -> float | 
     return (candidate - baseline) / baseline
 
 
+def paired_differences(baseline: list[float | None], candidate: list[float | None]) -> list[float | None]:
+    """Per-trial differences candidate - baseline (None where either is missing)."""
+    if len(baseline) != len(candidate):
+        raise ValueError(f"paired samples differ in length: {len(baseline)} vs {len(candidate)}")
+    return [None if b is None or c is None else c - b for b, c in zip(baseline, candidate)]
+
+
 def paired_changes(baseline: list[float | None], candidate: list[float | None]) -> list[float | None]:
     """Per-trial relative changes of paired values."""
     if len(baseline) != len(candidate):

@@ -2,22 +2,17 @@
 
     L ~ a + (m - 1) * s + (n - c) * t
 
-m sequences in the step (d decodes and c prompt chunks), n prompt tokens. a: a step
-with one decode and nothing else. s: one more sequence carrying one token (a second
-decode, or a chunk's first token). t: one more token in a sequence that already has
-one. On a small CPU a step pays about a whole pass per sequence and much less per
-further token of a chunk (s ~ 2t); on a GPU s ~ t ~ 0: the same model, other numbers.
-
-Each parameter is an exponentially weighted average of what the steps that measure it
-directly say, given the others: a from decode-only steps with one decode; s from steps
-whose extra sequences carry one token each; t from steps with longer chunks. A full
-least-squares fit swung wildly whenever the cap sat still (the terms are then not
-separately identifiable); here a parameter the steps stop measuring keeps its last
-value. One sample moves s or t toward at most CLIP times its value: a single preempted
-step is the margin's business, not the cost's. Until a decode-only step is seen a is 0
-(the paper's proportional law); until a prompt token is measured, a pass and a token
-cost a decode-only step each (the prior: about the dearest a token costs on a CPU, far
-above it on a GPU, so a first chunk planned from it errs small). Units: ms and tokens.
+m sequences (d decodes, c prompt chunks), n prompt tokens. a: a step with one decode
+alone; s: one more sequence carrying one token; t: one more token of a chunk. On a
+small CPU a step pays about a pass per sequence and much less per further token
+(s ~ 2t); on a GPU s ~ t ~ 0. Each is an exponentially weighted average of the steps
+that measure it directly given the others (a: decode-only steps with one decode; s:
+steps whose extra sequences carry one token each; t: longer chunks); one a step stops
+measuring keeps its value (a joint least-squares fit swung wildly while the cap sat
+still). One sample moves s or t toward at most CLIP times its value: a preempted step
+is the margin's business. Before a decode-only step, a = 0 (the paper's proportional
+law); before a prompt token, s = t = a (the prior: a first chunk planned from it errs
+small on a GPU). Units: ms and tokens.
 """
 from __future__ import annotations
 

@@ -1,29 +1,25 @@
 """The tail-aware controller (`dlfp`): one cost model times one learned margin.
 
-For a guarded step with d decodes the cap is the largest chunk n (a multiple of the
-quantum in [minimum, maximum]) whose predicted time, times the margin, meets the target:
-
-    predict(n, d) * margin(d) <= T
-
-`predict` is the step-cost model (dlfp/stepcost.py), learned from every guarded step.
-`margin(d)` is the `quantile` of measured / predicted over the recent guarded steps
-with d decodes, each weighted by the foreground ITLs it ended (a step with two chats
-streaming is two of the user's ITLs): the ITLs' spread, not their mean, meets T. Too
-few such steps: the same over all recent steps; too few of those: `prior_spread`.
-Where not even the minimum chunk meets T, the cap is 0 ("hold") when `zero_cap`, else
-the minimum. A step that missed T by more than the margin allows plans the next one
-at its own measured / predicted ratio ("miss"): the margin's window is slow to learn a
-sudden slowdown, and the study's shifted phases miss 1.1 T without this. While held, one guarded step in `probe_every` carries the minimum chunk
-("probe"), unless the model, measured within the last `probe_every` steps, says even
-that step's typical time misses T. Before a prompt token is measured the decode-only
-steps size the chunk ("prior", at most `initial`). Every cap is a function of what
-was learned and the step's decode count, so each decision is planned when asked.
+For a guarded step with d decodes the cap is the largest chunk n (a quantum multiple in
+[minimum, maximum]) with  predict(n, d) * margin(d) <= T.  `predict` is the step-cost
+model (dlfp/stepcost.py); `margin(d)` the `quantile` of measured / predicted over the
+window's steps with d decodes, weighted by the foreground ITLs each ended (the user's
+P99 is over ITLs), else over all of the window's steps, else `prior_spread`. Where not
+even the minimum fits: 0 ("hold") when `zero_cap`, else the minimum; while held, one
+step in `probe_every` carries the minimum ("probe") unless a freshly measured model
+predicts it above T. A step that missed T by more than the margin allows plans the
+next at its own ratio ("miss": the window is slow to learn a sudden slowdown; without
+it the study's shifted phases miss 1.1 T). Before a prompt token is measured the
+decode-only steps size the chunk ("prior", at most `initial`). Caps are planned when
+asked, from what was learned and the step's decode count and target.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from dlfp.paper import PaperParams
 from dlfp.policy import COMPLETION, Decision, PrefillPolicy, StepShape, describe_params
@@ -43,16 +39,13 @@ class TailParams(PaperParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.5 <= self.quantile < 1:
-            raise ValueError(f"quantile must be in [0.5, 1), got {self.quantile}")
-        if self.window < MARGIN_SAMPLES:
-            raise ValueError(f"window must be >= {MARGIN_SAMPLES} steps, got {self.window}")
-        if not 0.5 <= self.forgetting <= 1:
-            raise ValueError(f"forgetting must be in [0.5, 1], got {self.forgetting}")
-        if self.prior_spread < 1:
-            raise ValueError(f"prior_spread must be >= 1, got {self.prior_spread}")
-        if self.probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        for ok, need, value in ((0.5 <= self.quantile < 1, "quantile in [0.5, 1)", self.quantile),
+                                (self.window >= MARGIN_SAMPLES, f"window >= {MARGIN_SAMPLES} steps", self.window),
+                                (0.5 <= self.forgetting <= 1, "forgetting in [0.5, 1]", self.forgetting),
+                                (self.prior_spread >= 1, "prior_spread >= 1", self.prior_spread),
+                                (self.probe_every >= 1, "probe_every >= 1", self.probe_every)):
+            if not ok:
+                raise ValueError(f"need {need}, got {value}")
 
 
 # A tail quantile from fewer ratios is their maximum, one unlucky step: wait for this many.
@@ -65,13 +58,8 @@ YOUNG_MODEL = 8
 def weighted_quantile(samples, q: float) -> float:
     """The smallest value whose weight, with every smaller value's, reaches q of the total:
     `samples` as (value, weight). Equal weights give the order statistic ceil(q*n)."""
-    ordered = sorted(samples)
-    need, seen = q * sum(w for _, w in ordered), 0.0
-    for value, weight in ordered:
-        seen += weight
-        if seen >= need - 1e-9:
-            return value
-    return ordered[-1][0]
+    values, weights = zip(*samples)
+    return float(np.quantile(values, q, weights=weights, method="inverted_cdf"))
 
 
 class TailDLFP(PrefillPolicy):
@@ -87,12 +75,14 @@ class TailDLFP(PrefillPolicy):
         self._decodes = 1  # decodes of the latest step: the plan's default
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
+        self._target_ms = params.target_s * 1e3  # the target of the latest decision
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
-    def decide(self, n_decode: int | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
         if n_decode:
             self._decodes = n_decode
         d = self._decodes
+        self._target_ms = (target_s or self.params.target_s) * 1e3  # the margin is a ratio: it holds for any T
         margin = self.margin(d)
         missed = self._missed is not None and self._missed > margin
         if missed:  # a step just missed T by more than the margin allows: its own ratio, for one step
@@ -107,14 +97,14 @@ class TailDLFP(PrefillPolicy):
             else:
                 self.zero_steps += 1
         predicted = self.model.predict(cap, d) if self.model.plannable else None
-        return Decision(cap, rule, d, predicted, margin, self.params.target_s * 1e3 / margin)
+        return Decision(cap, rule, d, predicted, margin, self._target_ms / margin)
 
     def _plan(self, d: int, margin: float) -> tuple[int, str]:
         """The largest chunk whose prediction times the margin meets T, and the rule that says so."""
         p = self.params
         if not self.model.plannable:
             return p.initial, "initial"
-        room = self.model.tokens_within(p.target_s * 1e3 / margin, d)
+        room = self.model.tokens_within(self._target_ms / margin, d)
         if room < p.minimum:
             return (0, "hold") if p.zero_cap else (p.minimum, "minimum")
         planned = max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
@@ -132,16 +122,15 @@ class TailDLFP(PrefillPolicy):
         return self.params.prior_spread
 
     def _fresh(self) -> bool:
-        """A pass was measured within the last `probe_every` steps: the model's word on the
-        minimum chunk may be trusted without a probe. A stale one must not keep background
-        out for good (after a noisy neighbour leaves): refreshing it is what probes are for."""
+        """A pass measured within `probe_every` steps: trusted without a probe (a stale one must not
+        keep background out for good after a neighbour leaves; refreshing it is what probes are for)."""
         age = self.model.seq_age()
         return age is not None and age < self.params.probe_every
 
     def _misses(self, d: int) -> bool:
         """Even the minimum chunk's typical step (no margin) is predicted above T."""
         expected = self.model.predict(self.params.minimum, d)
-        return expected is not None and expected > self.params.target_s * 1e3
+        return expected is not None and expected > self._target_ms
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         n = shape.n_prefill if shape is not None else cap
@@ -152,7 +141,7 @@ class TailDLFP(PrefillPolicy):
         d = self._decodes
         # A ratio to the prior (no prompt token measured yet) says nothing about the model's error.
         predicted = self.model.predict(n, d) if self.model.ready or n == 0 else None
-        missed = predicted and latency_s > self.params.target_s
+        missed = predicted and latency_s * 1e3 > self._target_ms
         self._missed = latency_s * 1e3 / predicted if missed else None
         if predicted and self.model.n_obs >= YOUNG_MODEL:
             self._ratios.append((d, latency_s * 1e3 / predicted, shape.itls if shape is not None else 1))
@@ -178,22 +167,5 @@ class TailDLFP(PrefillPolicy):
     def target_unreachable(self) -> bool:
         return self.model.ready and self._misses(self._decodes)
 
-    def state(self) -> dict:
-        """What the controller has learned (for traces and the study)."""
-        m = self.model
-        return {"margin": self.margin(), "base_ms": m.base_ms, "seq_ms": m.seq_ms, "token_ms": m.token_ms,
-                "observations": m.n_obs, "zero_steps": self.zero_steps}
-
     def describe(self) -> dict:
         return describe_params(self.name, self.source, self.params)
-
-
-def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> PrefillPolicy:
-    """Sizes isolated background chunks so a step stays within the preemption budget.
-
-    The same law aimed at the budget: a foreground message that arrives meanwhile waits
-    for at most about one such step. Never 0, since isolated background prefill must progress.
-    """
-    initial = max(1, min(initial, max_tokens))
-    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False),
-                    name="budget")

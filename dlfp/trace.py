@@ -61,6 +61,8 @@ class RequestRecord:
     n_prefill_chunks: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens reused from a cached prefix (not computed)
     preemptions: int = 0  # times a background request gave its slot to a conversation and started over
+    itl_target_s: float | None = None  # the request's own goals, where it named them
+    ttft_goal_s: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -3,16 +3,20 @@
 # same seeds, workloads and targets, in one sitting on a quiet machine. Each (build,
 # condition) is one `dlfp bench --policies dlfp` over SEEDS into runs/<today>-controller-<cond>
 # (this checkout) and ...-<cond>-base (the baseline); the builds alternate which runs first.
-# The baseline runs from BASE_DIR (e.g. a git worktree of main) with this checkout's venv
-# and BASE_DIR first on PYTHONPATH, so its provenance names its own commit.
+# The baseline runs from BASE_DIR (e.g. a git worktree of main) with its own venv, so every
+# package of it (dlfp, and dlfp.backends / .devices / .workloads, which an editable install
+# maps to its own checkout) is the baseline's, and its provenance names its own commit.
 #
-#   git worktree add /tmp/main-old main && BASE_DIR=/tmp/main-old bash scripts/controller_series.sh
+#   git worktree add /tmp/main-old main && DLFP_VENV=/tmp/main-old/.venv bash /tmp/main-old/scripts/setup.sh
+#   BASE_DIR=/tmp/main-old bash scripts/controller_series.sh
 #   CONDS="t100 nn" BASE_DIR=... bash scripts/controller_series.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HERE=$(pwd)
 PY=${PY:-$HERE/.venv/bin/python}
 BASE_DIR=${BASE_DIR:?set BASE_DIR to the baseline checkout}
+BASE_PY=${BASE_PY:-$BASE_DIR/.venv/bin/python}
+[ -x "$BASE_PY" ] || { echo "no $BASE_PY: set up the baseline's own venv (see above)" >&2; exit 2; }
 SEEDS=${SEEDS:-801 802 803 821 822 823}
 CONDS=${CONDS:-t100 nn t50 li}
 NICE=${NICE:--15}
@@ -27,12 +31,12 @@ declare -A ARGS=(
   [li]="--workload low-interference"
 )
 
-one() {  # build-dir out-suffix cond
-  local dir=$1 out=$2 cond=$3
+one() {  # python build-dir out cond
+  local py=$1 dir=$2 out=$3 cond=$4
   echo "=== $(date -u +%H:%M:%S) $dir $cond -> $out" | tee -a "$LOG"
   SECONDS=0
   # shellcheck disable=SC2086
-  (cd "$dir" && PYTHONPATH="$dir" nice -n "$NICE" "$PY" -m dlfp.cli bench ${ARGS[$cond]} --policies dlfp \
+  (cd "$dir" && nice -n "$NICE" "$py" -m dlfp.cli bench ${ARGS[$cond]} --policies dlfp \
       --seeds $SEEDS --out "$out") >>"$LOG" 2>&1
   echo "    rc $?, took $SECONDS s" | tee -a "$LOG"
 }
@@ -41,9 +45,9 @@ i=0
 for cond in $CONDS; do
   [ -n "${ARGS[$cond]:-}" ] || { echo "unknown condition $cond (one of ${!ARGS[*]})" >&2; exit 2; }
   if (( i % 2 == 0 )); then
-    one "$BASE_DIR" "$R-$cond-base" "$cond"; one "$HERE" "$R-$cond" "$cond"
+    one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"; one "$PY" "$HERE" "$R-$cond" "$cond"
   else
-    one "$HERE" "$R-$cond" "$cond"; one "$BASE_DIR" "$R-$cond-base" "$cond"
+    one "$PY" "$HERE" "$R-$cond" "$cond"; one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"
   fi
   i=$((i + 1))
 done

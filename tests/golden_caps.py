@@ -29,10 +29,10 @@ def _controller():
     """The controllers' names in one namespace (imported late: --write runs outside pytest)."""
     from types import SimpleNamespace
 
-    from dlfp import paper, policy, tail
+    from dlfp import controller, paper, policy, tail
 
     return SimpleNamespace(StepShape=policy.StepShape, TailParams=tail.TailParams, TailDLFP=tail.TailDLFP,
-                           make_budget_policy=tail.make_budget_policy, PaperDLFP=paper.PaperDLFP)
+                           make_budget_policy=controller.make_budget_policy, PaperDLFP=paper.PaperDLFP)
 
 
 def pass_cost_ms(n: int, decodes: int, pos: float, factor: float) -> float:

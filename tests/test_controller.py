@@ -7,7 +7,8 @@ from dataclasses import asdict
 from dlfp.controller import parse_policy
 from dlfp.paper import next_cap, PaperDLFP
 from dlfp.policy import CADENCE, COMPLETION, UNREACHABLE_AFTER, FixedCap, StepShape, Unbounded
-from dlfp.tail import YOUNG_MODEL, make_budget_policy, TailDLFP, TailParams
+from dlfp.controller import make_budget_policy
+from dlfp.tail import YOUNG_MODEL, TailDLFP, TailParams
 
 PAPER = TailParams(target_s=0.080, initial=3072, minimum=1024, maximum=6144, quantum=128)
 

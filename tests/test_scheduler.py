@@ -1,5 +1,5 @@
 from dlfp.protocol import TIMING_SYNC_WALL, Capabilities
-from dlfp.scheduler import FG_STARVATION_S, Scheduler
+from dlfp.scheduler import Scheduler
 from dlfp.sequence import BACKGROUND, FOREGROUND, FinishReason, Request, Sequence, Status
 
 
@@ -167,23 +167,23 @@ def test_update_advances_prompts_appends_tokens_and_finishes():
     assert sched.finish(short_fg, FinishReason.ABORT, 3.0) is False  # already ended: nothing changes
 
 
-def test_cap_zero_keeps_background_out_but_a_second_chat_advances():
+def test_cap_zero_keeps_background_out_and_a_new_turn_loads_first_under_the_cap():
     sched = Scheduler(caps())
-    fg_dec, bg = admitted(sched, seq(10, decoding=True), seq(40, BACKGROUND))
+    fg_dec, bg_dec, bg = admitted(sched, seq(10, decoding=True), seq(12, BACKGROUND, decoding=True), seq(40, BACKGROUND))
     step = sched.plan(cap=0, bg_cap=32)
     assert step.guarded and not step.capped and step.plan.n_prefill == 0 and step.cap == 0
     assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
-    (fg2,) = admitted(sched, seq(30, FOREGROUND))  # arrived at 0.0
-    step = sched.plan(cap=0, bg_cap=32, now=FG_STARVATION_S - 0.1)  # it waits for a stream to end...
+    assert sched.planned_decodes() == 2 and not sched.turn_loading()
+    (fg2,) = admitted(sched, seq(30, FOREGROUND))
+    assert sched.turn_loading() and sched.planned_decodes() == 1  # background waits: plan for the stream alone
+    step = sched.plan(cap=0, bg_cap=32)  # not even one token fits beside the stream: the turn waits, no crawl
     assert step.plan.n_prefill == 0 and [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
-    step = sched.plan(cap=0, bg_cap=32, now=FG_STARVATION_S)  # ...or for the bound, then one token a step
-    assert [(c.seq_id, len(c.token_ids)) for c in step.plan.prefills] == [(fg2.slot, 1)]
-    assert step.n_prefill_bg == 0 and step.capped
-    assert sched.plan(cap=0, bg_cap=32).n_prefill_fg == 1  # no clock: never held
-    step = sched.plan(cap=3, bg_cap=32, now=0.5)  # under a cap it is never held
-    assert step.n_prefill_fg == 3
+    step = sched.plan(cap=3, bg_cap=32)  # the cap goes to the new turn; background prompt and decode wait
+    assert [(c.seq_id, len(c.token_ids)) for c in step.plan.prefills] == [(fg2.slot, 3)]
+    assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot] and step.n_decode_held == 1
     # Unguarded (the chat has finished): cap 0 is not in force; the budget sizes background.
     sched.finish(fg_dec, FinishReason.STOP, 0.0)
     sched.finish(fg2, FinishReason.STOP, 0.0)
+    sched.finish(bg_dec, FinishReason.STOP, 0.0)
     step = sched.plan(cap=None, bg_cap=32)
     assert not step.guarded and step.n_prefill_bg == 32

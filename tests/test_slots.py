@@ -115,7 +115,7 @@ def test_slots_whose_step_failed_on_the_device_stay_preemptible():
     sched.add(request("doc1", BACKGROUND, 600))
     chat0, doc0, doc1 = sched.admit(now=0.0)
     chat0.n_prefilled, chat0.output_ids, chat0.status = 200, [5], Status.DECODING  # the chat streams
-    step = sched.plan(cap=250, bg_cap=None, now=0.0)
+    step = sched.plan(cap=250, bg_cap=None)
     assert {c.seq_id for c in step.plan.prefills} == {doc0.slot, doc1.slot}
     sched.launched(step)  # pipelined: on the device, not yet back; then it fails there
     for seq in (chat0, doc0, doc1):

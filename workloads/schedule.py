@@ -18,7 +18,7 @@ import numpy as np
 
 from dlfp.sequence import Request, SamplingParams
 from dlfp.workloads.arrivals import arrival_times
-from dlfp.workloads.specs import WorkloadSpec
+from dlfp.workloads.specs import Goals, WorkloadSpec
 from dlfp.workloads.tokens import fingerprint, make_prompts
 
 WARMUP_TAG = "warmup"
@@ -35,6 +35,7 @@ class PlannedRequest:
     session: str = ""  # multi-turn: the session's id ("" for a single request)
     turn: int = 0  # multi-turn: the turn's index in its session
     think_s: float = 0.0  # multi-turn: pause between the previous reply and this message (turn 0: none)
+    goals: Goals | None = None  # its own latency goals, sent with it (None: the run's defaults)
 
     def to_request(self, history: list[int] | tuple[int, ...] = (), cache_prompt: bool = True) -> Request:
         """A fresh engine request: greedy, output length forced (EOS ignored) for exact accounting.
@@ -48,6 +49,8 @@ class PlannedRequest:
             request_id=self.request_id,
             tag=self.tag,
             cache_prompt=cache_prompt,
+            itl_target_s=self.goals.itl_target_ms / 1e3 if self.goals and self.goals.itl_target_ms else None,
+            ttft_goal_s=self.goals.ttft_s if self.goals else None,
         )
 
 
@@ -82,20 +85,20 @@ def build_schedule(
 ) -> Schedule:
     """`pool`: tokenized text to cut prompts from (see tokens.py); None: random ids."""
     fg = spec.foreground
-    shapes: list[tuple[str, str, str, int, int, float]] = [
-        (f"warmup-{i}", fg.priority, WARMUP_TAG, fg.input_len, fg.output_len, 0.0) for i in range(spec.warmup)
+    shapes: list[tuple[str, str, str, int, int, float, Goals | None]] = [
+        (f"warmup-{i}", fg.priority, WARMUP_TAG, fg.input_len, fg.output_len, 0.0, None) for i in range(spec.warmup)
     ]
     for k, cls in enumerate(spec.classes):
         # Each class has its own stream, seeded by (seed, class index): independent and repeatable.
         times = arrival_times(cls.count, cls.rate, [seed, k], burstiness)
-        shapes += [(f"{cls.label}-{i}", cls.priority, cls.label, cls.input_len, cls.output_len, t)
+        shapes += [(f"{cls.label}-{i}", cls.priority, cls.label, cls.input_len, cls.output_len, t, cls.goals)
                    for i, t in enumerate(times)]
     turns = _session_turns(spec, seed, len(spec.classes))
-    shapes += [(rid, cls.priority, cls.label, n_in, cls.output_len, t) for rid, cls, n_in, t, *_ in turns]
+    shapes += [(rid, cls.priority, cls.label, n_in, cls.output_len, t, cls.goals) for rid, cls, n_in, t, *_ in turns]
     prompts = make_prompts([s[3] for s in shapes], vocab_size, seed, spec.shared_prefix, pool)
     planned = [
-        PlannedRequest(rid, t, tuple(p), n_out, prio, tag)
-        for (rid, prio, tag, _, n_out, t), p in zip(shapes, prompts)
+        PlannedRequest(rid, t, tuple(p), n_out, prio, tag, goals=goals)
+        for (rid, prio, tag, _, n_out, t, goals), p in zip(shapes, prompts)
     ]
     first_turn = len(shapes) - len(turns)
     for i, (_, _, _, _, session, k, think) in enumerate(turns):
@@ -103,10 +106,16 @@ def build_schedule(
     warm = tuple(p for p in planned if p.tag == WARMUP_TAG)
     measured = tuple(sorted((p for p in planned if p.tag != WARMUP_TAG), key=lambda p: (p.arrival_s, p.turn)))
     # The fingerprint covers every token id, arrival time, think time and output length.
-    timing = ";".join(f"{p.request_id}@{p.arrival_s:.6f}+{p.think_s:.6f}/{p.max_tokens}" for p in planned)
+    timing = ";".join(f"{p.request_id}@{p.arrival_s:.6f}+{p.think_s:.6f}/{p.max_tokens}" + _goals_key(p.goals)
+                      for p in planned)
     span = measured[-1].arrival_s if measured else 0.0
     neighbour = (span / 3, 2 * span / 3) if spec.neighbour else None
     return Schedule(seed, warm, measured, fingerprint(prompts + [list(timing.encode())]), neighbour)
+
+
+def _goals_key(goals: Goals | None) -> str:
+    """The goals' part of the fingerprint ("" without goals, so plans without them keep theirs)."""
+    return "" if goals is None else f"~{goals.itl_target_ms}/{goals.ttft_s}"
 
 
 def _session_turns(spec: WorkloadSpec, seed: int, stream0: int) -> list[tuple]:

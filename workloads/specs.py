@@ -15,6 +15,15 @@ from dlfp.sequence import BACKGROUND, FOREGROUND
 
 
 @dataclass(frozen=True)
+class Goals:
+    """A foreground request's own latency goals, sent with it (dlfp's request extension) and
+    judged per request: TTFT within `ttft_s` and its own P99 ITL within 1.1 x `itl_target_ms`."""
+
+    itl_target_ms: float | None = None
+    ttft_s: float | None = None
+
+
+@dataclass(frozen=True)
 class RequestClass:
     label: str  # chat, ingest, ...
     priority: str
@@ -22,6 +31,7 @@ class RequestClass:
     output_len: int
     count: int  # measured requests of this class
     rate: float  # requests per second of this class's own Poisson stream
+    goals: "Goals | None" = None  # each request's own ITL target and TTFT goal (None: the run's defaults)
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,7 @@ class SessionClass:
     count: int  # sessions
     rate: float  # session arrivals per second
     think_time_s: float  # mean pause between a reply and the next message
+    goals: "Goals | None" = None  # every turn's own ITL target and TTFT goal (None: the run's defaults)
 
     @property
     def max_positions(self) -> int:
@@ -193,6 +204,21 @@ SPECS: dict[str, WorkloadSpec] = {
         SLO(5.0, 0.100, 15.0),
         warmup=1,
         sessions=(SessionClass("chat", FOREGROUND, 192, 48, 48, turns=8, count=3, rate=0.05, think_time_s=2.0),),
+    ),
+    # Two chats with goals of their own beside ingestion: one wants 20 tokens a second (T = 50 ms),
+    # the other is content with about 7 (T = 150 ms); both want their reply within 5 s. Each
+    # request is judged against its own goals; the controller holds the tighter target while
+    # the fast chat streams and may give background more room while only the slow one does.
+    "mixed-goals": WorkloadSpec(
+        "mixed-goals",
+        "chat at T = 50 ms and chat at T = 150 ms (256/64 each, TTFT 5 s) beside ingestion 1,536/8",
+        (
+            RequestClass("chat-fast", FOREGROUND, 256, 64, count=5, rate=0.08, goals=Goals(50.0, 5.0)),
+            RequestClass("chat-slow", FOREGROUND, 256, 64, count=5, rate=0.08, goals=Goals(150.0, 5.0)),
+            RequestClass("ingest", BACKGROUND, 1536, 8, count=3, rate=0.05),
+        ),
+        SLO(5.0, 0.150, 15.0),
+        warmup=1,
     ),
     # Do no harm: prompts short enough that an unbounded step already meets the
     # CPU profile's 100 ms target, at a light rate. DLFP must not make it worse.

@@ -17,14 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from dlfp.bench.runner import TrialRun
-from dlfp.metrics import itls, percentile, request_metrics, ttft
+from dlfp.metrics import goals_met, itls, percentile, request_metrics, ttft
 from dlfp.sequence import BACKGROUND, FOREGROUND
 from dlfp.trace import RequestRecord, StepRecord, control_counts, rule_counts
 from dlfp.workloads.schedule import Schedule
 from dlfp.workloads.specs import WorkloadSpec
 
 
-def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
+def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec, itl_target_ms: float | None = None) -> dict:
+    """`itl_target_ms`: the run's ITL target, a foreground request's goal where it names none."""
     planned = {p.request_id: p for p in schedule.measured}
     records = _latest_by_id(r for r in run.trace.requests if r.request_id in planned)
     completed = [r for r in records.values() if _complete(r, planned[r.request_id].max_tokens)]
@@ -60,6 +61,11 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec) -> dict:
     n_fg = sum(1 for p in planned.values() if p.priority == FOREGROUND)
     # Goodput counts against every submitted foreground request: a failed one met no SLO.
     row["goodput_fraction"] = row["slo_met"] / n_fg if n_fg else None
+    # Goodput: foreground requests that met their own goals (a request's, else the run's target
+    # and the workload's TTFT SLO), against every submitted one.
+    row["goals_met"] = sum(1 for r in fg if r.request_id in done_ids and _own_goals_met(r, planned[r.request_id],
+                                                                                      spec, itl_target_ms))
+    row["goodput"] = row["goals_met"] / n_fg if n_fg else None
     row["bg_completed"] = sum(1 for r in bg if r.request_id in done_ids)
     fg_done = [r for r in fg if r.request_id in done_ids]
     row.update(_stalls(fg_done))
@@ -98,6 +104,13 @@ def _stalls(fg: list[RequestRecord]) -> dict:
     gaps = [g for r in fg for g in itls(r)]
     return {"itl_max_ms": max(gaps) * 1e3 if gaps else None,
             "stall_s_over_1s": sum(g for g in gaps if g > STALL_S) if gaps else None}
+
+
+def _own_goals_met(r: RequestRecord, p, spec: WorkloadSpec, itl_target_ms: float | None) -> bool:
+    goals = p.goals
+    ttft_s = goals.ttft_s if goals and goals.ttft_s is not None else spec.slo.ttft_s
+    target_ms = goals.itl_target_ms if goals and goals.itl_target_ms is not None else itl_target_ms
+    return goals_met(r, ttft_s, None if target_ms is None else target_ms / 1e3)
 
 
 def _by_turn(fg: list[RequestRecord], planned: dict) -> dict:

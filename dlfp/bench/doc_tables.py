@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from dlfp.bench.paired import TARGET_TOLERANCE, sweep_summary
+from dlfp.bench.paired import TARGET_TOLERANCE, goodput_summary, sweep_summary
 from dlfp.runs import load_config
 from dlfp.stats import paired_changes, t_interval
 
@@ -320,6 +320,70 @@ def slots(folder: Path, cfg: dict) -> list[str]:
     return out
 
 
+def side_by_side(folder: Path, cfg: dict) -> list[str]:
+    """One policy from two builds on the same seeds: `folder` (this build) beside `folder`-base (a
+    baseline build's run of the same command), per seed: P99 ITL (worst phase where the workload
+    has phases), worst ITL, background prompt tokens per second beside the foreground."""
+    base_folder = folder.parent / (folder.name + "-base")
+    rows, base_rows = _rows(folder), _rows(base_folder)
+    target = target_ms(cfg)
+    base = {(r["seed"], r["policy"]): r for r in base_rows}
+    out = _header(["seed", "arm", "P99 ITL (ms) baseline / this", "worst phase P99 (ms) baseline / this",
+                   "worst ITL (ms) baseline / this", "bg tok/s baseline / this (ratio)"], 2)
+    ratios, worst_p99, worst_itl = [], [], []
+    for r in sorted(rows, key=lambda r: (r["seed"], r["policy"])):
+        b = base.get((r["seed"], r["policy"]))
+        if b is None:
+            continue
+        ph = lambda x: max((p["itl_p99_ms"] for p in (x.get("phases") or {}).values()), default=x["itl_p99_ms"])  # noqa: E731
+        x, bx = r["bg_prefill_tok_s_fg_active"], b["bg_prefill_tok_s_fg_active"]
+        ratio = x / bx if x is not None and bx else None
+        ratios += [ratio] if ratio is not None else []
+        worst_p99.append(ph(r))
+        worst_itl.append(r["itl_max_ms"])
+        out.append(_row([r["seed"], r["policy"], f"{_n(b['itl_p99_ms'])} / {_n(r['itl_p99_ms'])}",
+                         f"{_n(ph(b))} / {_n(ph(r))}", f"{_n(b['itl_max_ms'])} / {_n(r['itl_max_ms'])}",
+                         f"{_n(bx)} / {_n(x)} ({_n(ratio, 2)}x)"]))
+    out.append("")
+    if target and worst_p99:
+        out.append(f"- this build: worst P99 in any trial and phase {_n(max(worst_p99))} ms "
+                   f"({'within' if max(worst_p99) <= target * TARGET_TOLERANCE else 'over'} 1.1 T = "
+                   f"{_n(target * TARGET_TOLERANCE, 0)} ms); worst ITL {_n(max(worst_itl))} ms "
+                   f"({'within' if max(worst_itl) <= 2 * target else 'over'} 2 T).")
+    if ratios:
+        out.append(f"- background throughput, this build / baseline: mean {sum(ratios) / len(ratios):.3f}, "
+                   f"lowest {min(ratios):.3f} over {len(ratios)} trials.")
+    out.append(f"- baseline: {source_line(str(base_folder.relative_to(base_folder.parent.parent)), load_config(base_folder))}")
+    return out
+
+
+def goodput(folder: Path, cfg: dict) -> list[str]:
+    """Per seed and arm: requests that met their own goals, beside P99 ITL, TTFT and background
+    work (client side, so endpoints count); the arms on the goodput frontier; each arm's mean."""
+    rows = _rows(folder)
+    arms = _arms(rows, cfg)
+    g = goodput_summary(rows, arms, "bg_prompt_tok_s_client")
+    out = _header(["seed", "arm", "goals met", "ITL P99 (ms)", "TTFT P99 (s)", "bg prompt tok/s (client)",
+                   "on the goodput frontier"], 2)
+    for r in sorted(rows, key=lambda r: (r["seed"], arms.index(r["policy"]))):
+        n = round(r["goals_met"] / r["goodput"]) if r.get("goodput") else None
+        met = f"{r['goals_met']} / {n}" if n else str(r.get("goals_met", "-"))
+        frontier = r["policy"] in g["trials"][str(r["seed"])]["frontier"] if g else None
+        ttft = r.get("ttft_p99_ms")
+        out.append(_row([r["seed"], r["policy"], met, _n(r["itl_p99_ms"]), _n(None if ttft is None else ttft / 1e3),
+                         _n(r.get("bg_prompt_tok_s_client")), _n(frontier)]))
+    if g:
+        out.append("")
+        for arm, a in g["arms"].items():
+            iv = a["interval"]
+            ci = f" [{iv['low']:.2f}, {iv['high']:.2f}]" if iv.get("low") is not None else ""
+            out.append(f"- {arm}: goodput {a['mean']:.2f}{ci} (mean [95% CI] over {a['trials']} trials), "
+                       f"on the frontier in {a['on_frontier']}, highest in {a['highest']}.")
+        if "verdict" in g:
+            out.append(f"- {g['verdict']}.")
+    return out
+
+
 def _slo(r: dict) -> str:
     """Foreground requests within the workload's SLO, of those submitted (goodput_fraction's denominator)."""
     frac = r.get("goodput_fraction")
@@ -357,6 +421,7 @@ def study(folder: Path, cfg: dict) -> list[str]:
 KINDS: dict[str, Callable[[Path, dict], list[str]]] = {
     "laptop": laptop, "backends-laptop": backends_laptop, "check-model": check_model, "et-packed": et_packed,
     "trials": trials, "sweep": sweep, "phases": phases, "paired": paired, "multiturn": multiturn, "slots": slots,
+    "side-by-side": side_by_side, "goodput": goodput,
     "soak": soak,
     "study": study,
 }

@@ -125,8 +125,12 @@ class EndpointTarget:
                 "ignore_eos": request.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
         if request.sampling.seed is not None:
             body["seed"] = request.sampling.seed
-        if self.send_priority:
+        if self.send_priority:  # dlfp's request extensions: the class and a foreground request's own goals
             body["priority"] = request.priority
+            if request.itl_target_s is not None:
+                body["itl_target_ms"] = request.itl_target_s * 1e3
+            if request.ttft_goal_s is not None:
+                body["ttft_goal_ms"] = request.ttft_goal_s * 1e3
         if self._token_ids:
             body["return_token_ids"] = True
         if self._verbose_ids:
@@ -201,6 +205,7 @@ class _Stream:
             prompt_len=len(request.prompt_ids), output_ids=ids, token_times=list(self.times),
             finish_reason=self.finish_reason if self.error is None else "error", error=self.error,
             finished_s=time.perf_counter(), cached_prompt_tokens=self.cached_tokens,
+            itl_target_s=request.itl_target_s, ttft_goal_s=request.ttft_goal_s,
         )
 
 

@@ -1,23 +1,27 @@
 """Across trials: paired changes against the baseline, the gate, and the sweep frontier.
 
 The baseline is the first arm (unbounded by default). For each other arm and each
-metric, every seed gives one relative change (candidate - baseline) / baseline;
-their mean gets a Student-t 95% interval with df = seeds - 1. A trial is valid
+metric, every seed gives one relative change (candidate - baseline) / baseline (for
+fractions of requests, `POINTS`, the difference candidate - baseline); their mean gets
+a Student-t 95% interval with df = seeds - 1. A trial is valid
 only if its outputs agree token for token with the baseline's, every request is
 accounted for, and none failed; an invalid trial fails the gate.
 """
 from __future__ import annotations
 
-from dlfp.stats import paired_changes, t_interval
+from dlfp.stats import paired_changes, paired_differences, t_interval
 from dlfp.workloads.specs import Gate
 
 # Lower is better except where listed in HIGHER_IS_BETTER.
 PAIRED_METRICS = (
     "itl_p99_ms", "itl_p90_ms", "itl_p50_ms", "ttft_p99_ms", "ttft_p50_ms", "tpot_p99_ms", "e2el_p99_ms",
-    "goodput_fraction", "prefill_tok_s", "bg_prefill_tok_s", "bg_prefill_tok_s_fg_active",
+    "goodput", "goodput_fraction", "prefill_tok_s", "bg_prefill_tok_s", "bg_prefill_tok_s_fg_active",
     "energy_per_output_token_j",
 )
-HIGHER_IS_BETTER = {"goodput_fraction", "prefill_tok_s", "bg_prefill_tok_s", "bg_prefill_tok_s_fg_active"}
+HIGHER_IS_BETTER = {"goodput", "goodput_fraction", "prefill_tok_s", "bg_prefill_tok_s", "bg_prefill_tok_s_fg_active"}
+# Fractions of requests: their change is a difference (candidate - baseline), shown in points; a
+# relative change of a fraction is undefined where the baseline met none and explodes near it.
+POINTS = {"goodput", "goodput_fraction"}
 
 
 def paired_table(rows: list[dict], arms: list[str], seeds: list[int], gate: Gate, agreement: dict) -> dict:
@@ -33,7 +37,7 @@ def paired_table(rows: list[dict], arms: list[str], seeds: list[int], gate: Gate
         for m in PAIRED_METRICS:
             base = [by[(s, baseline)].get(m) for s in seeds_here]
             cand = [by[(s, arm)].get(m) for s in seeds_here]
-            changes = paired_changes(base, cand)
+            changes = paired_differences(base, cand) if m in POINTS else paired_changes(base, cand)
             known = [c for c in changes if c is not None]
             metrics[m] = {
                 "baseline": base,
@@ -188,3 +192,36 @@ def _sweep_point(rows: list[dict], arm: str, x_metric: str, bound: float | None)
         "meets_every_trial": bool(mine) and bound is not None and len(p99) == len(mine)
         and all(v <= bound for v in p99),
     }
+
+
+def goodput_summary(rows: list[dict], arms: list[str], x_metric: str) -> dict | None:
+    """Goodput (foreground requests that met their own goals) per arm and trial, beside
+    background throughput; the goodput frontier per trial: the arms no other arm beats on
+    both goodput and background throughput in that trial."""
+    by = {(r["seed"], r["policy"]): r for r in rows if r.get("goodput") is not None}
+    seeds = sorted({seed for seed, _ in by})
+    if not seeds:
+        return None
+    trials = {}
+    for seed in seeds:
+        here = {a: by[(seed, a)] for a in arms if (seed, a) in by}
+        points = {a: (r["goodput"], r.get(x_metric)) for a, r in here.items()}
+        frontier = [a for a, (g, x) in points.items()
+                    if not any(g2 > g and x is not None and x2 is not None and x2 > x
+                               for b, (g2, x2) in points.items() if b != a)]
+        best = max(g for g, _ in points.values())
+        trials[str(seed)] = {"goodput": {a: g for a, (g, _) in points.items()}, "frontier": frontier,
+                             "highest": [a for a, (g, _) in points.items() if g == best]}
+    per_arm = {}
+    for a in arms:
+        values = [by[(s, a)]["goodput"] for s in seeds if (s, a) in by]
+        if values:
+            per_arm[a] = {"mean": sum(values) / len(values), "interval": t_interval(values).to_dict(),
+                          "on_frontier": sum(a in t["frontier"] for t in trials.values()),
+                          "highest": sum(a in t["highest"] for t in trials.values()), "trials": len(values)}
+    out = {"x_metric": x_metric, "trials": trials, "arms": per_arm}
+    if "dlfp" in per_arm:
+        d, n = per_arm["dlfp"], per_arm["dlfp"]["trials"]
+        out["verdict"] = (f"dlfp on the goodput frontier in {d['on_frontier']} of {n} trials; "
+                          f"goodput at least every other arm's in {d['highest']} of {n}")
+    return out

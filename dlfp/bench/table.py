@@ -4,16 +4,17 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from dlfp.bench.paired import HIGHER_IS_BETTER
+from dlfp.bench.paired import HIGHER_IS_BETTER, POINTS
+from dlfp.stats import paired_differences, t_interval
 
 TRIAL_COLUMNS = (
     ("ITL p50", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"), ("ITL max", "itl_max_ms"),
     ("stall>1s s", "stall_s_over_1s"), ("TTFT p99", "ttft_p99_ms"),
-    ("E2EL p99", "e2el_p99_ms"), ("SLO", "slo_met"), ("bg tok/s", "bg_prefill_tok_s_fg_active"),
+    ("E2EL p99", "e2el_p99_ms"), ("SLO", "slo_met"), ("goals", "goals_met"), ("bg tok/s", "bg_prefill_tok_s_fg_active"),
     ("bg ptok/s", "bg_prompt_tok_s_client"), ("fg reused", "fg_prompt_tokens_reused"),
     ("TTFT 6-8/1", "ttft_turns_6_8_vs_1"), ("J/tok", "energy_per_output_token_j"),
 )
-SHOWN_PAIRED = ("itl_p99_ms", "itl_p50_ms", "ttft_p99_ms", "e2el_p99_ms", "goodput_fraction",
+SHOWN_PAIRED = ("itl_p99_ms", "itl_p50_ms", "ttft_p99_ms", "e2el_p99_ms", "goodput", "goodput_fraction",
                 "bg_prefill_tok_s_fg_active", "energy_per_output_token_j")
 
 
@@ -29,6 +30,11 @@ def _fmt(x, digits: int = 1) -> str:
 
 def _pct(x) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def _pts(x) -> str:
+    """A difference of two fractions, in percentage points."""
+    return "-" if x is None else f"{x * 100:+.1f} pts"
 
 
 def trials_table(rows: list[dict], console: Console) -> None:
@@ -80,10 +86,14 @@ def paired_tables(result: dict, console: Console) -> None:
             d = c["metrics"].get(m)
             if d is None or all(v is None for v in d["change"]):
                 continue
-            iv = d["interval"]
-            ci = "-" if iv is None else _pct(iv["mean"]) + (
-                f" [{_pct(iv['low'])}, {_pct(iv['high'])}]" if iv["low"] is not None else " [n=1]")
-            table.add_row(m + (" (+ better)" if m in HIGHER_IS_BETTER else ""), *[_pct(x) for x in d["change"]], ci)
+            show, changes, iv = _pct, d["change"], d["interval"]
+            if m in POINTS:  # from the paired values, so folders written before POINTS read the same
+                show, changes = _pts, paired_differences(d["baseline"], d["candidate"])
+                known = [x for x in changes if x is not None]
+                iv = t_interval(known).to_dict() if known else None
+            ci = "-" if iv is None else show(iv["mean"]) + (
+                f" [{show(iv['low'])}, {show(iv['high'])}]" if iv["low"] is not None else " [n=1]")
+            table.add_row(m + (" (+ better)" if m in HIGHER_IS_BETTER else ""), *[show(x) for x in changes], ci)
         console.print(table)
         for t in c["trials"]:
             red = "-" if t["reduction"] is None else f"{t['reduction'] * 100:.1f}%"
@@ -122,9 +132,27 @@ def _mean_ci(mean, interval) -> str:
     return f"{mean:,.1f} [{interval['low']:,.1f}, {interval['high']:,.1f}]"
 
 
+def goodput_lines(result: dict, console: Console) -> None:
+    g = result.get("goodput")
+    if not g:
+        return
+    table = Table(title="goodput: foreground requests that met their own goals (TTFT, own P99 ITL <= 1.1 x target); "
+                        f"frontier: no other arm has higher goodput and higher {g['x_metric']} in the trial")
+    for col in ("arm", "goodput mean [95% CI]", "on frontier", "highest"):
+        table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
+    for arm, a in g["arms"].items():
+        iv = a["interval"]
+        ci = f"{a['mean']:.2f}" + (f" [{iv['low']:.2f}, {iv['high']:.2f}]" if iv.get("low") is not None else "")
+        table.add_row(arm, ci, f"{a['on_frontier']}/{a['trials']}", f"{a['highest']}/{a['trials']}")
+    console.print(table)
+    if "verdict" in g:
+        console.print(f"  goodput: {g['verdict']}")
+
+
 def print_result(rows: list[dict], result: dict, console: Console | None = None) -> None:
     console = console or Console()
     trials_table(rows, console)
     phases_table(rows, console, result.get("itl_target_ms"))
     paired_tables(result, console)
     sweep_lines(result, console)
+    goodput_lines(result, console)

@@ -109,13 +109,15 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse(ChatRequest, await _body(state, request))
-        job = await chat_job(state, body, resolve_priority(body, request.headers.get("x-priority")))
+        job = await chat_job(state, body, resolve_priority(body, request.headers.get("x-priority")),
+                             headers=request.headers)
         return await respond(state.bridge, job, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse(CompletionRequest, await _body(state, request))
-        job = await completion_job(state, body, resolve_priority(body, request.headers.get("x-priority")))
+        job = await completion_job(state, body, resolve_priority(body, request.headers.get("x-priority")),
+                                   headers=request.headers)
         return await respond(state.bridge, job, request)
 
     @app.get("/v1/models")

@@ -6,7 +6,9 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+import math
+from types import MappingProxyType
+from typing import AsyncIterator, Mapping
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -87,7 +89,8 @@ class Job:
 
 
 def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: str, model: str, chat: bool,
-             max_tokens_limit: int | None = None, request_id: str | None = None) -> Job:
+             max_tokens_limit: int | None = None, request_id: str | None = None,
+             headers: Mapping[str, str] = MappingProxyType({})) -> Job:
     """Check the sizes and sampling settings; every problem is a 400 naming its field.
     `request_id`: the engine's id (default: a fresh one); it also seeds a request sent without a seed."""
     context = backend.capabilities.context_per_sequence
@@ -114,10 +117,11 @@ def make_job(backend: Backend, body: _Common, prompt_ids: list[int], priority: s
         sampling = SamplingParams(temperature, 1.0 if body.top_p is None else body.top_p, body.seed)
     except ValueError as exc:  # the schema checks the ranges: this is a backstop that names no field
         raise bad_request(str(exc)) from None
+    goals = resolve_goals(body, headers, priority)
     prefix = "chatcmpl" if chat else "cmpl"
     request = Request(prompt_ids, n_out, priority, sampling, body.ignore_eos,
                       request_id=request_id or f"{prefix}-{uuid.uuid4().hex[:24]}", tag="http",
-                      cache_prompt=body.cache_prompt)
+                      cache_prompt=body.cache_prompt, itl_target_s=goals[0], ttft_goal_s=goals[1])
     try:  # the engine checks again at submit; here the error comes before any 429 and names its field
         request.validate(backend.capabilities.vocab_size, context)
     except ValueError as exc:
@@ -135,6 +139,29 @@ def resolve_priority(body: _Common, header: str | None) -> str:
     if name not in PRIORITIES:
         raise bad_request(f"X-Priority must be one of {list(PRIORITIES)}, got {value!r}", param="priority")
     return name
+
+
+GOAL_HEADERS = {"itl_target_ms": "x-itl-target-ms", "ttft_goal_ms": "x-ttft-goal-ms"}
+
+
+def resolve_goals(body: _Common, headers: Mapping[str, str], priority: str) -> tuple[float | None, float | None]:
+    """A foreground request's own (ITL target, TTFT goal) in seconds, from the body's
+    `itl_target_ms` / `ttft_goal_ms` or the X-ITL-Target-Ms / X-TTFT-Goal-Ms headers (the body
+    wins); None where neither names one (the engine's defaults)."""
+    out = []
+    for name, header in GOAL_HEADERS.items():
+        value = getattr(body, name)
+        if value is None and headers.get(header) is not None:
+            try:
+                value = float(headers[header])
+            except ValueError:
+                value = -1.0
+            if not math.isfinite(value) or value <= 0:
+                raise bad_request(f"{header}: a positive number of milliseconds, got {headers[header]!r}", param=name)
+        if value is not None and priority != FOREGROUND:
+            raise bad_request(f"{name} is a foreground request's goal; a {priority} request has none", param=name)
+        out.append(None if value is None else value / 1e3)
+    return out[0], out[1]
 
 
 async def respond(bridge: EngineBridge, job: Job, http: HTTPRequest) -> Response:

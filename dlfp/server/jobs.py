@@ -6,7 +6,8 @@ exactly the reasons the same body sent to /v1 would be, with the same message.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping
 
 from starlette.concurrency import run_in_threadpool
 
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
     from dlfp.server.app import ServerState
 
 
-async def chat_job(state: ServerState, body: ChatRequest, priority: str, request_id: str | None = None) -> Job:
+async def chat_job(state: ServerState, body: ChatRequest, priority: str, request_id: str | None = None,
+                   headers: Mapping[str, str] = MappingProxyType({})) -> Job:
     model = state.check_model(body.model)
     context = state.backend.capabilities.context_per_sequence
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -32,17 +34,19 @@ async def chat_job(state: ServerState, body: ChatRequest, priority: str, request
         raise bad_request(f"{exc}; send a plain prompt to /v1/completions instead", param="messages") from None
     except Exception as exc:  # the model's own Jinja template rejected these messages
         raise bad_request(f"the chat template failed on these messages: {exc}", param="messages") from None
-    return make_job(state.backend, body, ids, priority, model, True, state.limits.max_tokens_limit, request_id)
+    return make_job(state.backend, body, ids, priority, model, True, state.limits.max_tokens_limit, request_id,
+                    headers)
 
 
 async def completion_job(state: ServerState, body: CompletionRequest, priority: str,
-                         request_id: str | None = None) -> Job:
+                         request_id: str | None = None, headers: Mapping[str, str] = MappingProxyType({})) -> Job:
     model = state.check_model(body.model)
     text = _prompt_text(body.prompt)
     if text is not None:
         check_text_fits(state.limits, len(text.encode()), state.backend.capabilities.context_per_sequence, "prompt")
     ids = await run_in_threadpool(_prompt_ids, state.backend, body.prompt)
-    return make_job(state.backend, body, ids, priority, model, False, state.limits.max_tokens_limit, request_id)
+    return make_job(state.backend, body, ids, priority, model, False, state.limits.max_tokens_limit, request_id,
+                    headers)
 
 
 def _prompt_ids(backend, prompt) -> list[int]:

@@ -2,7 +2,8 @@
 
 Unknown fields are accepted and ignored (clients send many), but a known field
 of the wrong type is a 400 naming that field. vLLM's extensions that benchmarks
-rely on are understood: `ignore_eos`, `return_token_ids`, an integer `priority`.
+rely on are understood: `ignore_eos`, `return_token_ids`, an integer `priority`;
+dlfp's own: `itl_target_ms` and `ttft_goal_ms`, a foreground request's goals.
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ class _Common(BaseModel):
     cache_prompt: bool = True  # llama.cpp's field: false prefills the whole prompt (no prefix reuse)
     # dlfp's class name, or vLLM's integer priority (lower runs first: <= 0 is foreground).
     priority: Literal["foreground", "background"] | int | None = None
+    # dlfp's per-request goals for a foreground request, in ms (None: the server profile's).
+    itl_target_ms: float | None = Field(default=None, gt=0)
+    ttft_goal_ms: float | None = Field(default=None, gt=0)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
