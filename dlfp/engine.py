@@ -362,9 +362,10 @@ class Engine:
         if self.thread_governor is not None:
             self._set_threads(self.thread_governor(self.clock()))
         sched = self.scheduler
-        cap = obs.begin(sched.guarded(), sched.planned_decodes(), sched.itl_target_s(), sched.turn_loading())
+        turn_first = self.policy.plans_turns and sched.turn_loading()
+        cap = obs.begin(sched.guarded(), sched.planned_decodes(turn_first), sched.itl_target_s(), turn_first)
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
-        step = sched.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed)
+        step = sched.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed, turn_first=turn_first)
         self._step_no += 1
         obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step),
                       n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label,

@@ -86,6 +86,9 @@ class PrefillPolicy(ABC):
 
     name: str = "policy"
     source: str = COMPLETION
+    # Sizes a new turn's prompt beside the streams by its own model: background waits while
+    # it loads (dlfp.scheduler). A static cap, or none, shares the step as a stock runtime does.
+    plans_turns: bool = False
 
     @abstractmethod
     def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:

@@ -9,9 +9,9 @@ How many prompt tokens join:
   all prompts of the step. The policy plans for every decode of the step, against the
   tightest ITL target among the streaming chats (a request's own `itl_target_s`, else
   the policy's). A cap of 0 (not even one prompt token fits) keeps every background
-  prompt and decode out. While a foreground prompt (a new turn) loads, the streaming
-  chats' targets come first and the new turn second: background prompts and decodes
-  wait, the policy plans for the protected decodes alone, and the turn's chunk is the
+  prompt and decode out. Under a policy that plans new turns (`dlfp`), while a
+  foreground prompt (a new turn) loads, the streaming chats' targets come first and
+  the new turn second: background prompts and decodes wait, the policy plans for the protected decodes alone, and the turn's chunk is the
   largest that meets the target; where not even its minimum chunk fits, it waits for
   a stream to end (a step that carried it would break every streaming chat's target,
   failing each of their goals to serve one). Foreground prompts load earliest
@@ -273,10 +273,10 @@ class Scheduler:
         return self.guarded() and any(s.priority == FOREGROUND and s.status == Status.PREFILLING
                                       for s in self.running)
 
-    def planned_decodes(self) -> int:
+    def planned_decodes(self, turn_first: bool = False) -> int:
         """The decodes the next guarded step carries if its cap lets prompt tokens in."""
         decoding = self.decoding()
-        if self.turn_loading():
+        if turn_first and self.turn_loading():
             return sum(1 for s in decoding if s.priority in self.protect)
         return len(decoding)
 
@@ -287,9 +287,13 @@ class Scheduler:
         return min(named) if named else None
 
     # -- planning ----------------------------------------------------------
-    def plan(self, cap: int | None, bg_cap: int | None, background: bool = True) -> PlannedStep:
+    def plan(self, cap: int | None, bg_cap: int | None, background: bool = True,
+             turn_first: bool = False) -> PlannedStep:
         """The next step. `background=False` (the thermal governor's hold) keeps every
         background prompt out of this step, guarded or not; background decodes still run.
+        `turn_first` (a policy that plans new turns, `PrefillPolicy.plans_turns`): while a
+        foreground prompt loads beside the streams, background prompts and decodes wait; a
+        static cap or none shares the step as a stock runtime does.
 
         A guarded step's cap of 0, or a new turn loading beside the streams, keeps the
         unprotected (background) decodes waiting with the background prompts: another
@@ -304,7 +308,7 @@ class Scheduler:
         n_held = 0
         protected = [s for s in decoding if s.priority in self.protect]
         fg_loading = any(s.priority == FOREGROUND for s in prefilling)
-        turn_first = guarded and fg_loading
+        turn_first = turn_first and guarded and fg_loading
         if guarded and (cap == 0 and background or turn_first):  # background decodes wait with its prompts
             n_held, decoding = len(decoding) - len(protected), protected
 

@@ -66,6 +66,7 @@ class TailDLFP(PrefillPolicy):
     """Tail-aware DLFP: the largest chunk whose predicted step time times the margin meets T."""
 
     source = COMPLETION
+    plans_turns = True
 
     def __init__(self, params: TailParams, name: str = "dlfp"):
         self.params = params

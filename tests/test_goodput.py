@@ -131,7 +131,7 @@ def test_goodput_changes_are_differences_in_points():
 
 def test_the_goodput_frontier_is_no_arm_better_on_both_goodput_and_background():
     rows = [{"seed": 1, "policy": p, "goodput": g, "bg_prompt_tok_s_client": x}
-            for p, g, x in [("unbounded", 0.5, 30.0), ("fixed:2", 0.75, 10.0), ("dlfp", 0.75, 20.0)]]
+            for p, g, x in [("unbounded", 0.5, 30.0), ("fixed:2", 0.5, 10.0), ("dlfp", 0.75, 20.0)]]
     rows += [{"seed": 2, "policy": p, "goodput": g, "bg_prompt_tok_s_client": x}
              for p, g, x in [("unbounded", 0.25, 30.0), ("fixed:2", 1.0, 25.0), ("dlfp", 0.75, 20.0)]]
     g = goodput_summary(rows, ["unbounded", "fixed:2", "dlfp"], "bg_prompt_tok_s_client")

@@ -175,12 +175,15 @@ def test_cap_zero_keeps_background_out_and_a_new_turn_loads_first_under_the_cap(
     assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
     assert sched.planned_decodes() == 2 and not sched.turn_loading()
     (fg2,) = admitted(sched, seq(30, FOREGROUND))
-    assert sched.turn_loading() and sched.planned_decodes() == 1  # background waits: plan for the stream alone
-    step = sched.plan(cap=0, bg_cap=32)  # not even one token fits beside the stream: the turn waits, no crawl
+    assert sched.turn_loading() and sched.planned_decodes(turn_first=True) == 1  # plan for the stream alone
+    step = sched.plan(cap=0, bg_cap=32, turn_first=True)  # nothing fits beside the stream: the turn waits, no crawl
     assert step.plan.n_prefill == 0 and [d.seq_id for d in step.plan.decodes] == [fg_dec.slot]
-    step = sched.plan(cap=3, bg_cap=32)  # the cap goes to the new turn; background prompt and decode wait
+    step = sched.plan(cap=3, bg_cap=32, turn_first=True)  # the cap goes to the new turn; background waits
     assert [(c.seq_id, len(c.token_ids)) for c in step.plan.prefills] == [(fg2.slot, 3)]
     assert [d.seq_id for d in step.plan.decodes] == [fg_dec.slot] and step.n_decode_held == 1
+    step = sched.plan(cap=5, bg_cap=32)  # a static cap shares the step, the turn first (a stock runtime's way)
+    assert [(c.seq_id, len(c.token_ids)) for c in step.plan.prefills] == [(fg2.slot, 5)]
+    assert step.n_decode_held == 0 and sched.planned_decodes() == 2
     # Unguarded (the chat has finished): cap 0 is not in force; the budget sizes background.
     sched.finish(fg_dec, FinishReason.STOP, 0.0)
     sched.finish(fg2, FinishReason.STOP, 0.0)

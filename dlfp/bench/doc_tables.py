@@ -320,6 +320,12 @@ def slots(folder: Path, cfg: dict) -> list[str]:
     return out
 
 
+def _worst_phase_p99(r: dict) -> float | None:
+    """The highest P99 ITL of a trial's phases (a phase without foreground ITLs has none); the trial's without phases."""
+    values = [p["itl_p99_ms"] for p in (r.get("phases") or {}).values() if p["itl_p99_ms"] is not None]
+    return max(values) if values else r["itl_p99_ms"]
+
+
 def side_by_side(folder: Path, cfg: dict) -> list[str]:
     """One policy from two builds on the same seeds: `folder` (this build) beside `folder`-base (a
     baseline build's run of the same command), per seed: P99 ITL (worst phase where the workload
@@ -335,15 +341,14 @@ def side_by_side(folder: Path, cfg: dict) -> list[str]:
         b = base.get((r["seed"], r["policy"]))
         if b is None:
             continue
-        ph = lambda x: max((p["itl_p99_ms"] for p in (x.get("phases") or {}).values()), default=x["itl_p99_ms"])  # noqa: E731
         x, bx = r["bg_prefill_tok_s_fg_active"], b["bg_prefill_tok_s_fg_active"]
         ratio = x / bx if x is not None and bx else None
         ratios += [ratio] if ratio is not None else []
-        worst_p99.append(ph(r))
+        worst_p99.append(_worst_phase_p99(r))
         worst_itl.append(r["itl_max_ms"])
         out.append(_row([r["seed"], r["policy"], f"{_n(b['itl_p99_ms'])} / {_n(r['itl_p99_ms'])}",
-                         f"{_n(ph(b))} / {_n(ph(r))}", f"{_n(b['itl_max_ms'])} / {_n(r['itl_max_ms'])}",
-                         f"{_n(bx)} / {_n(x)} ({_n(ratio, 2)}x)"]))
+                         f"{_n(_worst_phase_p99(b))} / {_n(_worst_phase_p99(r))}", f"{_n(b['itl_max_ms'])} / {_n(r['itl_max_ms'])}",
+                         f"{_n(bx)} / {_n(x)}" + ("" if ratio is None else f" ({ratio:.2f}x)")]))
     out.append("")
     if target and worst_p99:
         out.append(f"- this build: worst P99 in any trial and phase {_n(max(worst_p99))} ms "
@@ -353,7 +358,7 @@ def side_by_side(folder: Path, cfg: dict) -> list[str]:
     if ratios:
         out.append(f"- background throughput, this build / baseline: mean {sum(ratios) / len(ratios):.3f}, "
                    f"lowest {min(ratios):.3f} over {len(ratios)} trials.")
-    out.append(f"- baseline: {source_line(str(base_folder.relative_to(base_folder.parent.parent)), load_config(base_folder))}")
+    out.append(f"- the baseline's {source_line(str(base_folder.relative_to(base_folder.parent.parent)), load_config(base_folder))}")
     return out
 
 
