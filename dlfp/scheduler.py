@@ -274,9 +274,11 @@ class Scheduler:
                                       for s in self.running)
 
     def planned_decodes(self, turn_first: bool = False) -> int:
-        """The decodes the next guarded step carries if its cap lets prompt tokens in."""
+        """The decodes the next guarded step carries if its cap lets prompt tokens in;
+        `turn_first`: a new turn loads first (the caller checked `turn_loading()`), so only
+        the protected decodes ride."""
         decoding = self.decoding()
-        if turn_first and self.turn_loading():
+        if turn_first:
             return sum(1 for s in decoding if s.priority in self.protect)
         return len(decoding)
 

@@ -63,8 +63,7 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec, itl_target_
     row["goodput_fraction"] = row["slo_met"] / n_fg if n_fg else None
     # Goodput: foreground requests that met their own goals (a request's, else the run's target
     # and the workload's TTFT SLO), against every submitted one.
-    row["goals_met"] = sum(1 for r in fg if r.request_id in done_ids and _own_goals_met(r, planned[r.request_id],
-                                                                                      spec, itl_target_ms))
+    row["goals_met"] = sum(1 for r in fg if r.request_id in done_ids and _own_goals_met(r, spec, itl_target_ms))
     row["goodput"] = row["goals_met"] / n_fg if n_fg else None
     row["bg_completed"] = sum(1 for r in bg if r.request_id in done_ids)
     fg_done = [r for r in fg if r.request_id in done_ids]
@@ -106,11 +105,11 @@ def _stalls(fg: list[RequestRecord]) -> dict:
             "stall_s_over_1s": sum(g for g in gaps if g > STALL_S) if gaps else None}
 
 
-def _own_goals_met(r: RequestRecord, p, spec: WorkloadSpec, itl_target_ms: float | None) -> bool:
-    goals = p.goals
-    ttft_s = goals.ttft_s if goals and goals.ttft_s is not None else spec.slo.ttft_s
-    target_ms = goals.itl_target_ms if goals and goals.itl_target_ms is not None else itl_target_ms
-    return goals_met(r, ttft_s, None if target_ms is None else target_ms / 1e3)
+def _own_goals_met(r: RequestRecord, spec: WorkloadSpec, itl_target_ms: float | None) -> bool:
+    """Judged by the goals the request carried (its trace record), else the run's."""
+    ttft_s = r.ttft_goal_s if r.ttft_goal_s is not None else spec.slo.ttft_s
+    target_s = r.itl_target_s if r.itl_target_s is not None else (None if itl_target_ms is None else itl_target_ms / 1e3)
+    return goals_met(r, ttft_s, target_s)
 
 
 def _by_turn(fg: list[RequestRecord], planned: dict) -> dict:

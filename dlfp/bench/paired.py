@@ -9,6 +9,7 @@ accounted for, and none failed; an invalid trial fails the gate.
 """
 from __future__ import annotations
 
+from dlfp.metrics import ITL_GOAL_TOLERANCE
 from dlfp.stats import paired_changes, paired_differences, t_interval
 from dlfp.workloads.specs import Gate
 
@@ -100,9 +101,9 @@ def _gate(trials: list[dict], metric: dict | None, gate: Gate) -> bool:
     return interval["low"] <= 0
 
 
-# An arm "meets" the ITL target when its P99 ITL is within this factor of it in
-# every trial (the issue's 1.1 T acceptance bound).
-TARGET_TOLERANCE = 1.1
+# An arm "meets" the ITL target when its P99 ITL is within this factor of it in every
+# trial: the same bound a request's own ITL goal is judged by.
+TARGET_TOLERANCE = ITL_GOAL_TOLERANCE
 
 
 def sweep_summary(rows: list[dict], arms: list[str], x_metric: str, target_ms: float | None,
