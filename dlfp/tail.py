@@ -3,8 +3,11 @@
 For a guarded step with d decodes the cap is the largest chunk n (a quantum multiple in
 [minimum, maximum]) with  predict(n, d) * margin(d) <= T.  `predict` is the step-cost
 model (dlfp/stepcost.py); `margin(d)` the `quantile` of measured / predicted over the
-window's steps with d decodes, weighted by the foreground ITLs each ended (the user's
-P99 is over ITLs), else over all of the window's steps, else `prior_spread`. Where not
+window's steps with d decodes and a prompt chunk, weighted by the foreground ITLs each
+ended (the user's P99 is over ITLs), else over all of the window's chunk steps, else
+`prior_spread`. A decode-only step ages the window but gives no ratio: the cap cannot
+shrink it, and its noise, large beside a small base, kept a hold going once it had set
+the margin (while held, the only ratios were its own). Where not
 even the minimum fits: 0 ("hold") when `zero_cap`, else the minimum; while held, one
 step in `probe_every` carries the minimum ("probe") unless a freshly measured model
 predicts it above T. A step that missed T by more than the margin allows plans the
@@ -72,7 +75,7 @@ class TailDLFP(PrefillPolicy):
         self.params = params
         self.name = name
         self.model = StepCostModel(params.forgetting)
-        self._ratios: deque[tuple[int, float, int]] = deque(maxlen=params.window)  # (decodes, ratio, ITLs)
+        self._ratios: deque[tuple[int, float, int] | None] = deque(maxlen=params.window)  # (decodes, ratio, ITLs)
         self._decodes = 1  # decodes of the latest step: the plan's default
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
@@ -113,11 +116,12 @@ class TailDLFP(PrefillPolicy):
         return (planned, "model") if self.model.ready else (min(planned, p.initial), "prior")
 
     def margin(self, n_decode: int | None = None) -> float:
-        """The `quantile` of measured / predicted over the recent steps with `n_decode`
-        decodes; over all recent steps where too few had them; else the prior."""
+        """The `quantile` of measured / predicted over the recent chunk steps with `n_decode`
+        decodes; over all recent chunk steps where too few had them; else the prior."""
         d = self._decodes if n_decode is None else n_decode
-        same = [(r, w) for k, r, w in self._ratios if k == d]
-        for samples in (same, [(r, w) for _, r, w in self._ratios]):
+        ratios = [r for r in self._ratios if r is not None]
+        same = [(r, w) for k, r, w in ratios if k == d]
+        for samples in (same, [(r, w) for _, r, w in ratios]):
             if len(samples) >= MARGIN_SAMPLES:
                 return weighted_quantile(samples, self.params.quantile)
         return self.params.prior_spread
@@ -144,7 +148,9 @@ class TailDLFP(PrefillPolicy):
         predicted = self.model.predict(n, d) if self.model.ready or n == 0 else None
         missed = predicted and latency_s * 1e3 > self._target_ms
         self._missed = latency_s * 1e3 / predicted if missed else None
-        if predicted and self.model.n_obs >= YOUNG_MODEL:
+        if n == 0:  # the cap cannot shrink a decode-only step: it ages the window, gives no ratio
+            self._ratios.append(None)
+        elif predicted and self.model.n_obs >= YOUNG_MODEL:
             self._ratios.append((d, latency_s * 1e3 / predicted, shape.itls if shape is not None else 1))
         self.model.update(latency_s * 1e3, n, d, shape.n_chunks if shape is not None else None)
 

@@ -538,9 +538,28 @@ def test_tail_margin_is_learned_per_decode_count_then_pooled_then_the_prior():
     assert c.margin(1) == pytest.approx(0.7, rel=0.01) and c.decide(1).rule == "model"
     assert c.margin(2) == c.margin(1)  # no two-decode step measured: the pooled margin
     for _ in range(MARGIN_SAMPLES):  # beside two decodes the steps run at 1.1x the prediction
-        c.observe(1.1 * m.predict(0, 2) / 1e3, cap=0, shape=StepShape(2, 0, 0, 0))
+        c.observe(1.1 * m.predict(1, 2) / 1e3, cap=1, shape=StepShape(2, 1, 0, 0, n_chunks=1))
     assert c.margin(2) == pytest.approx(1.1, rel=0.05)
     assert c.decide(2).cap == 0 and c.decide(1).cap >= 1
+
+
+def test_decode_only_steps_age_the_margin_window_without_giving_a_ratio():
+    """However noisy, a held controller's decode-only steps leave the margin to the chunk
+    steps (at T = 50 their ratios, up to 2.2 against a 12 ms base, set the margin and kept
+    background out for 215 steps); they age the window, so a margin old chunk steps set
+    returns to the prior over a long hold."""
+    from dlfp.tail import MARGIN_SAMPLES
+    c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
+    m = c.model
+    m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 40.0, 20.0, 8.0, 100
+    for _ in range(MARGIN_SAMPLES):
+        c.observe(1.2 * m.predict(1, 1) / 1e3, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))
+    assert c.margin(1) == pytest.approx(1.2)
+    for i in range(c.params.window - MARGIN_SAMPLES):
+        c.observe((2.0 if i % 2 else 0.9) * 40.0 / 1e3, cap=0, shape=StepShape(1, 0, 0, 0))
+    assert c.margin(1) == pytest.approx(1.2)
+    c.observe(0.040, cap=0, shape=StepShape(1, 0, 0, 0))  # the oldest chunk ratio leaves
+    assert c.margin(1) == c.params.prior_spread
 
 
 def test_a_device_change_rescales_the_model_and_clears_the_margins():
