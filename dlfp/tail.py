@@ -1,20 +1,17 @@
 """The tail-aware controller (`dlfp`): one cost model times one learned margin.
 
-For a guarded step with d decodes the cap is the largest chunk n (a quantum multiple in
-[minimum, maximum]) with  predict(n, d) * margin(d) <= T.  `predict` is the step-cost
-model (dlfp/stepcost.py); `margin(d)` the `quantile` of measured / predicted over the
-window's steps with d decodes and a prompt chunk, weighted by the foreground ITLs each
-ended (the user's P99 is over ITLs), else over all of the window's chunk steps, else
-`prior_spread`. A decode-only step ages the window but gives no ratio: the cap cannot
-shrink it, and its noise, large beside a small base, kept a hold going once it had set
-the margin (while held, the only ratios were its own). Where not
-even the minimum fits: 0 ("hold") when `zero_cap`, else the minimum; while held, one
-step in `probe_every` carries the minimum ("probe") unless a freshly measured model
-predicts it above T. A step that missed T by more than the margin allows plans the
-next at its own ratio ("miss": the window is slow to learn a sudden slowdown; without
-it the study's shifted phases miss 1.1 T). Before a prompt token is measured the
-decode-only steps size the chunk ("prior", at most `initial`). Caps are planned when
-asked, from what was learned and the step's decode count and target.
+A guarded step with d decodes gets the largest chunk n (a quantum multiple in [minimum,
+maximum]) with predict(n, d) * margin(d) <= T: `predict` is the step-cost model
+(dlfp/stepcost.py), `margin(d)` the `quantile` of measured / predicted over the window's
+chunk steps with d decodes, weighted by the foreground ITLs each ended (the user's P99 is
+over ITLs), else over all its chunk steps, else `prior_spread`. A decode-only step ages
+the window without a ratio: the cap cannot shrink it, and its noise beside a small base
+kept holds going. Where not even the minimum fits: 0 ("hold") when `zero_cap`, else the
+minimum; while held, one step in `probe_every` carries the minimum ("probe") unless a
+freshly measured model predicts it above T. A step that missed T by more than the margin
+plans the next at its own ratio ("miss": the window learns a sudden slowdown too slowly;
+without it the study's shifted phases miss 1.1 T). Before a prompt token is measured the
+decode-only steps size the chunk ("prior", at most `initial`).
 """
 from __future__ import annotations
 
@@ -51,11 +48,8 @@ class TailParams(PaperParams):
                 raise ValueError(f"need {need}, got {value}")
 
 
-# A tail quantile from fewer ratios is their maximum, one unlucky step: wait for this many.
-MARGIN_SAMPLES = 32
-# A model fitted to its first few steps is still converging: their ratios measure that, not
-# the device's spread, so they are not kept.
-YOUNG_MODEL = 8
+MARGIN_SAMPLES = 32  # a tail quantile of fewer ratios is their maximum, one unlucky step
+YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
 
 
 def weighted_quantile(samples, q: float) -> float:
@@ -95,7 +89,7 @@ class TailDLFP(PrefillPolicy):
         rule = "miss" if missed and rule == "model" else rule
         if cap == 0:
             self._held_asks += 1
-            if self._held_asks >= self.params.probe_every and not (self._fresh() and self._misses(d)):
+            if self._held_asks >= self.params.probe_every and not self._known_to_miss(d):
                 self._held_asks = 0
                 cap, rule = self.params.minimum, "probe"
             else:
@@ -126,11 +120,11 @@ class TailDLFP(PrefillPolicy):
                 return weighted_quantile(samples, self.params.quantile)
         return self.params.prior_spread
 
-    def _fresh(self) -> bool:
-        """A pass measured within `probe_every` steps: trusted without a probe (a stale one must not
-        keep background out for good after a neighbour leaves; refreshing it is what probes are for)."""
+    def _known_to_miss(self, d: int) -> bool:
+        """A pass measured within `probe_every` steps predicts the minimum chunk above T (a stale
+        one must not keep background out for good after a neighbour leaves: probes refresh it)."""
         age = self.model.seq_age()
-        return age is not None and age < self.params.probe_every
+        return age is not None and age < self.params.probe_every and self._misses(d)
 
     def _misses(self, d: int) -> bool:
         """Even the minimum chunk's typical step (no margin) is predicted above T."""
@@ -159,10 +153,9 @@ class TailDLFP(PrefillPolicy):
         self._held_asks = 0
 
     def device_changed(self, cost_factor: float | None = None) -> None:
-        # With a factor the learned costs, scaled, are the prior; going to fewer threads this errs
-        # safe, since threads rarely scale perfectly. For the same reason a faster device keeps the
-        # old costs (scaled down by the thread ratio they would promise more than the threads give):
-        # the next steps teach the speed-up. Without a factor: learn afresh. Margins are relearned.
+        # The learned costs times the factor (threads rarely scale perfectly, so fewer threads err
+        # safe); a faster device keeps the old costs and the next steps teach the speed-up. Without
+        # a factor: learn afresh. Margins are relearned either way.
         if cost_factor and cost_factor > 0 and self.model.ready:
             self.model.scale(max(1.0, cost_factor))
         else:
