@@ -69,7 +69,7 @@ class TailDLFP(PrefillPolicy):
         self.params = params
         self.name = name
         self.model = StepCostModel(params.forgetting)
-        self._ratios: deque[tuple[int, float, int] | None] = deque(maxlen=params.window)  # (decodes, ratio, ITLs)
+        self._ratios: deque[tuple[int, float, int] | None] = deque(maxlen=params.window)  # (decodes, ratio, ITLs); None: a decode-only step
         self._decodes = 1  # decodes of the latest step: the plan's default
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
