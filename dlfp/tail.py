@@ -2,22 +2,23 @@
 
 A guarded step with d decodes gets the largest chunk n (a quantum multiple in [minimum,
 maximum]) with predict(n, d) * margin(d) <= T: `predict` is the step-cost model
-(dlfp/stepcost.py), `margin(d)` the `quantile` of measured / predicted over the window's
-chunk steps with d decodes, weighted by the foreground ITLs each ended (the user's P99 is
-over ITLs), else over all its chunk steps, else `prior_spread`. A decode-only step ages
-the window without a ratio: the cap cannot shrink it, and its noise beside a small base
-kept holds going. Where not even the minimum fits: 0 ("hold") when `zero_cap`, else the
-minimum; while held, one step in `probe_every` carries the minimum ("probe") unless a
-freshly measured model predicts it above T. A step that missed T by more than the margin
-plans the next at its own ratio ("miss": the window learns a sudden slowdown too slowly;
-without it the study's shifted phases miss 1.1 T). Before a prompt token is measured the
-decode-only steps size the chunk ("prior", at most `initial`).
+(dlfp/stepcost.py), `margin(d)` a quantile of measured / predicted over the window's chunk
+steps with d decodes (else all its chunk steps, else `prior_spread`). The quantile is the
+one that holds the user's P99 over every foreground ITL in the window: decode-only steps'
+ITLs count too (the cap cannot shrink those steps, so they give no ratio), and those that
+ran over T use up part of the 1% first. Where not even the minimum fits: 0 ("hold") when
+`zero_cap`, else the minimum; while held, one step in `probe_every` carries the minimum
+("probe") unless a freshly measured model predicts it above T. A step that missed T by more
+than the margin plans the next at its own ratio ("miss": the window learns a sudden
+slowdown too slowly; without it the study's shifted phases miss 1.1 T). Before a prompt
+token is measured the decode-only steps size the chunk ("prior", at most `initial`).
 """
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,8 +31,8 @@ from dlfp.stepcost import StepCostModel
 class TailParams(PaperParams):
     """The paper's bounds, and what the tail-aware controller learns and aims at."""
 
-    quantile: float = 0.99  # step-time quantile aimed at the target
-    window: int = 128  # recent guarded steps whose measured / predicted ratios give the margin
+    quantile: float = 0.99  # ITL quantile aimed at the target
+    window: int = 128  # recent guarded steps whose ITLs and ratios give the margin
     forgetting: float = 0.9  # share of the cost estimate an observation keeps (memory ~1/(1-f) steps)
     prior_spread: float = 1.5  # the margin until enough steps have been measured
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
@@ -52,6 +53,15 @@ MARGIN_SAMPLES = 32  # a tail quantile of fewer ratios is their maximum, one unl
 YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
 
 
+class Measured(NamedTuple):
+    """A guarded step in the margin's window."""
+
+    decodes: int
+    ratio: float | None  # measured / predicted; None: a decode-only step
+    itls: int  # foreground ITLs it ended
+    late: bool  # it ran over the target
+
+
 def weighted_quantile(samples, q: float) -> float:
     """The smallest value whose weight, with every smaller value's, reaches q of the total:
     `samples` as (value, weight). Equal weights give the order statistic ceil(q*n)."""
@@ -69,7 +79,7 @@ class TailDLFP(PrefillPolicy):
         self.params = params
         self.name = name
         self.model = StepCostModel(params.forgetting)
-        self._ratios: deque[tuple[int, float, int] | None] = deque(maxlen=params.window)  # (decodes, ratio, ITLs); None: a decode-only step
+        self._window: deque[Measured] = deque(maxlen=params.window)
         self._decodes = 1  # decodes of the latest step: the plan's default
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
@@ -110,14 +120,16 @@ class TailDLFP(PrefillPolicy):
         return (planned, "model") if self.model.ready else (min(planned, p.initial), "prior")
 
     def margin(self, n_decode: int | None = None) -> float:
-        """The `quantile` of measured / predicted over the recent chunk steps with `n_decode`
-        decodes; over all recent chunk steps where too few had them; else the prior."""
+        """The ratio the chunk steps may exceed on as many ITLs as `quantile` leaves after the
+        decode-only steps that ran late: 1 - q of the window's ITLs, less theirs. Over the
+        steps with `n_decode` decodes; all steps where too few chunk steps had them; else the prior."""
         d = self._decodes if n_decode is None else n_decode
-        ratios = [r for r in self._ratios if r is not None]
-        same = [(r, w) for k, r, w in ratios if k == d]
-        for samples in (same, [(r, w) for _, r, w in ratios]):
-            if len(samples) >= MARGIN_SAMPLES:
-                return weighted_quantile(samples, self.params.quantile)
+        for steps in ([s for s in self._window if s.decodes == d], self._window):
+            chunks = [(s.ratio, s.itls) for s in steps if s.ratio is not None]
+            if len(chunks) >= MARGIN_SAMPLES:
+                spare = (1 - self.params.quantile) * sum(s.itls for s in steps)
+                spare -= sum(s.itls for s in steps if s.ratio is None and s.late)
+                return weighted_quantile(chunks, min(1.0, max(0.0, 1 - spare / sum(w for _, w in chunks))))
         return self.params.prior_spread
 
     def _known_to_miss(self, d: int) -> bool:
@@ -137,16 +149,16 @@ class TailDLFP(PrefillPolicy):
             return  # nothing to learn from
         if shape is not None and shape.n_decode > 0:  # else (unknown, or none beside a budgeted chunk): as before
             self._decodes = shape.n_decode
-        d = self._decodes
+        d, ms, itls = self._decodes, latency_s * 1e3, shape.itls if shape is not None else 1
         # A ratio to the prior (no prompt token measured yet) says nothing about the model's error.
         predicted = self.model.predict(n, d) if self.model.ready or n == 0 else None
-        missed = predicted and latency_s * 1e3 > self._target_ms
-        self._missed = latency_s * 1e3 / predicted if missed else None
-        if n == 0:  # the cap cannot shrink a decode-only step: it ages the window, gives no ratio
-            self._ratios.append(None)
+        late = ms > self._target_ms
+        self._missed = ms / predicted if predicted and late else None
+        if n == 0:
+            self._window.append(Measured(d, None, itls, late))
         elif predicted and self.model.n_obs >= YOUNG_MODEL:
-            self._ratios.append((d, latency_s * 1e3 / predicted, shape.itls if shape is not None else 1))
-        self.model.update(latency_s * 1e3, n, d, shape.n_chunks if shape is not None else None)
+            self._window.append(Measured(d, ms / predicted, itls, late))
+        self.model.update(ms, n, d, shape.n_chunks if shape is not None else None)
 
     def reset(self) -> None:
         # What was learned is a property of the device and model, not of one turn: kept.
@@ -160,7 +172,7 @@ class TailDLFP(PrefillPolicy):
             self.model.scale(max(1.0, cost_factor))
         else:
             self.model = StepCostModel(self.params.forgetting)
-        self._ratios.clear()
+        self._window.clear()
         self.reset()
 
     @property

@@ -562,6 +562,23 @@ def test_decode_only_steps_age_the_margin_window_without_giving_a_ratio():
     assert c.margin(1) == c.params.prior_spread
 
 
+def test_tail_margin_holds_the_quantile_over_every_foreground_itl():
+    """The user's P99 is over every ITL: beside as many on-time decode-only steps, one slow
+    chunk step in 64 is under 1% of the ITLs and leaves the margin at the others' ratio; alone,
+    or beside decode-only steps that themselves ran over T, it is the quantile."""
+    def margin(decode_only_ms: float | None) -> float:
+        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
+        c.model.base_ms, c.model.seq_ms, c.model.token_ms, c.model.n_obs = 40.0, 20.0, 8.0, 100
+        for i in range(64):
+            c.observe((1.5 if i == 10 else 1.0) * 60.0 / 1e3, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))
+            if decode_only_ms is not None:
+                c.observe(decode_only_ms / 1e3, cap=0, shape=StepShape(1, 0, 0, 0))
+        return c.margin(1)
+    assert margin(None) == pytest.approx(1.5)
+    assert margin(40.0) == pytest.approx(1.0)
+    assert margin(120.0) == pytest.approx(1.5)  # the late decode-only steps used up the 1%
+
+
 def test_a_device_change_rescales_the_model_and_clears_the_margins():
     c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, zero_cap=True))
     drive(c, 200, random.Random(2), sigma=0.1)
