@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, fields
 
 from dlfp.policy import (
-    COMPLETION, SOURCES, UNREACHABLE_AFTER, Decision, PrefillPolicy, StepShape, describe_params,
+    COMPLETION, SOURCES, UNREACHABLE_AFTER, Decision, PrefillPolicy, StepShape,
 )
 
 
@@ -95,6 +95,3 @@ class PaperDLFP(PrefillPolicy):
     @property
     def target_unreachable(self) -> bool:
         return self._misses_at_min >= UNREACHABLE_AFTER
-
-    def describe(self) -> dict:
-        return describe_params(self.name, self.source, self.params)

@@ -86,6 +86,7 @@ class PrefillPolicy(ABC):
 
     name: str = "policy"
     source: str = COMPLETION
+    params = None  # the policy's parameters (a dataclass), where it has any
     # Sizes a new turn's prompt beside the streams by its own model: background waits while
     # it loads (dlfp.scheduler). A static cap, or none, shares the step as a stock runtime does.
     plans_turns: bool = False
@@ -124,7 +125,9 @@ class PrefillPolicy(ABC):
         return False
 
     def describe(self) -> dict:
-        return {"name": self.name, "source": self.source}
+        """Name, timing source and every parameter, whole (a field added later is never dropped)."""
+        extra = params_to_dict(self.params) if self.params is not None else {}
+        return {"name": self.name, "source": self.source, **extra}
 
 
 class Unbounded(PrefillPolicy):
@@ -185,7 +188,3 @@ def params_from_dict(values: Mapping, base):
             raise ValueError(f"controller parameter {key!r}: not a number: {raw!r}") from None
         changes[name] = value / 1e3 if key == "target_ms" and value is not None else value
     return replace(base, **changes)
-
-def describe_params(name: str, source: str, p) -> dict:
-    """Every parameter, whole (a field added later is never dropped): params_to_dict."""
-    return {"name": name, "source": source, **params_to_dict(p)}

@@ -1,22 +1,18 @@
-"""What a step costs, learned online from the guarded steps the controller observes.
+"""What a step costs, learned online from the guarded steps the controller observes:
 
     L ~ a + (m - 1) * s + (n - c) * t
 
-m sequences (d decodes, c prompt chunks), n prompt tokens. a: a step with one decode
-alone; s: one more sequence carrying one token; t: one more token of a chunk. On a
-small CPU a step pays about a pass per sequence and much less per further token
-(s ~ 2t); on a GPU s ~ t ~ 0. Each is an exponentially weighted average of the steps
-that measure it directly given the others (a: decode-only steps with one decode; s:
-steps whose extra sequences carry one token each; t: longer chunks); one a step stops
-measuring keeps its value (a joint least-squares fit swung wildly while the cap sat
-still). One sample moves s or t toward at most CLIP times its value: a preempted step
-is the margin's business. Before a decode-only step, a = 0 (the paper's proportional
-law); before a prompt token, s = t = a (the prior: a first chunk planned from it errs
-small on a GPU). Units: ms and tokens.
+m sequences (d decodes, c prompt chunks), n prompt tokens; a: one decode alone; s: one more
+sequence of one token; t: one more token of a chunk (a small CPU: s ~ 2t; a GPU: s ~ t ~ 0).
+Each is an exponentially weighted average of the steps that measure it given the others (a:
+decode-only steps with one decode; s: steps whose extra sequences carry one token; t: longer
+chunks), kept while steps stop measuring it (a joint least-squares fit swung wildly while the
+cap sat still). Before a decode-only step a = 0 (the paper's law); before a prompt token
+s = t = a (the prior: it errs small on a GPU). Units: ms and tokens.
 """
 from __future__ import annotations
 
-CLIP = 3.0
+CLIP = 3.0  # one sample moves s or t at most this fold: a preempted step is the margin's business
 MIN_SHARE = 0.1  # (L - a) is taken as at least this share of L: a noisy base never makes a cost <= 0
 
 
@@ -31,10 +27,9 @@ class StepCostModel:
 
     def update(self, latency_ms: float, n: int, n_decode: int = 1, n_chunks: int | None = None) -> None:
         self.n_obs += 1
-        d = n_decode
         c = (1 if n > 0 else 0) if n_chunks is None else min(n_chunks, n)
-        extra_seqs = d - 1 + c  # 0 for one chunk with no decode beside it: its first token is the base
-        if (n <= 0 and d <= 1) or (self.base_ms is not None and extra_seqs <= 0 and n == c):
+        extra_seqs = n_decode - 1 + c  # 0 for one chunk with no decode beside it: its first token is the base
+        if (n <= 0 and n_decode <= 1) or (self.base_ms is not None and extra_seqs <= 0 and n == c):
             self.base_ms = latency_ms if self.base_ms is None else self._mix(self.base_ms, latency_ms)
             return  # a decode-only step's shape: one sequence with one token
         if self.base_ms is None:  # no base yet: every extra is taken as one token's cost
@@ -44,26 +39,17 @@ class StepCostModel:
         rest = max(latency_ms - self.base_ms, MIN_SHARE * latency_ms)
         if n == c:  # every extra sequence carries one token: this step measures s
             self.seq_measured_at = self.n_obs
-            self.seq_ms = self._clipped(self.seq_ms if self.seq_ms is not None else self.token_ms,
-                                        rest / extra_seqs)
+            self.seq_ms = self._clipped(self.token_ms if self.seq_ms is None else self.seq_ms, rest / extra_seqs)
             return
         # Before s or t is measured the pass is the prior's: charged at 0, the first chunk's
         # passes would go to its tokens (a 2-token chunk taught t = 34 ms where s ~ 16).
         sample = max(rest - extra_seqs * self._pass(), MIN_SHARE * latency_ms) / (n - c)
         self.token_ms = self._clipped(self.token_ms, sample)
 
-    def seq_age(self) -> int | None:
-        """Observations since s was last measured (None: never)."""
-        return None if self.seq_measured_at is None else self.n_obs - self.seq_measured_at
+    def _pass(self) -> float:  # s: as measured, else as t, else the prior (a decode-only step)
+        return next((v for v in (self.seq_ms, self.token_ms) if v is not None), self.base_ms or 0.0)
 
-    def _pass(self) -> float:
-        """s: as measured, else as t, else the prior (a decode-only step)."""
-        if self.seq_ms is not None:
-            return self.seq_ms
-        return self.token_ms if self.token_ms is not None else (self.base_ms or 0.0)
-
-    def _token(self) -> float:
-        """t: as measured, else as s."""
+    def _token(self) -> float:  # t: as measured, else as s
         return self._pass() if self.token_ms is None else self.token_ms
 
     def base(self, n_decode: int = 1) -> float | None:
@@ -76,20 +62,18 @@ class StepCostModel:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name) * factor)
 
-    def _clipped(self, old: float | None, sample: float) -> float:
+    def _clipped(self, old: float | None, sample: float) -> float:  # sample moved at most CLIP-fold
         return sample if old is None else self._mix(old, min(CLIP * old, max(old / CLIP, sample)))
 
     def _mix(self, old: float, new: float) -> float:
         return self.keep * old + (1 - self.keep) * new
 
     @property
-    def ready(self) -> bool:
-        """A prompt token's cost has been measured."""
+    def ready(self) -> bool:  # a prompt token's cost has been measured
         return self.token_ms is not None
 
     @property
-    def plannable(self) -> bool:
-        """Measured, or a decode-only step seen (the prior)."""
+    def plannable(self) -> bool:  # measured, or a decode-only step seen (the prior)
         return self.token_ms is not None or self.base_ms is not None
 
     def predict(self, n: int, n_decode: int = 1) -> float | None:
@@ -100,10 +84,9 @@ class StepCostModel:
         return (base or 0.0) + (self._pass() + (n - 1) * self._token() if n > 0 else 0.0)
 
     def tokens_within(self, budget_ms: float, n_decode: int = 1) -> float:
-        """How many prompt tokens (one chunk) fit in a step of `budget_ms` beside `n_decode`
-        decodes; below 1 (possibly negative) when not even one does."""
-        room = budget_ms - (self.base(n_decode) or 0.0)
-        first = self._pass()
+        """Prompt tokens (one chunk) that fit a step of `budget_ms` beside `n_decode` decodes;
+        below 1 (possibly negative) when not even one does."""
+        room, first = budget_ms - (self.base(n_decode) or 0.0), self._pass()
         if room < first:
             return room / max(first, 1e-9)
         return 1.0 + (room - first) / max(self._token(), 1e-9)

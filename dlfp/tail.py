@@ -1,17 +1,15 @@
 """The tail-aware controller (`dlfp`): one cost model times one learned margin.
 
 A guarded step with d decodes gets the largest chunk n (a quantum multiple in [minimum,
-maximum]) with predict(n, d) * margin(d) <= T: `predict` is the step-cost model
-(dlfp/stepcost.py), `margin(d)` a quantile of measured / predicted over the window's chunk
-steps with d decodes (else all its chunk steps, else `prior_spread`). The quantile is the
-one that holds the user's P99 over every foreground ITL in the window: decode-only steps'
-ITLs count too (the cap cannot shrink those steps, so they give no ratio), and those that
-ran over T use up part of the 1% first. Where not even the minimum fits: 0 ("hold") when
-`zero_cap`, else the minimum; while held, one step in `probe_every` carries the minimum
-("probe") unless a freshly measured model predicts it above T. A step that missed T by more
-than the margin plans the next at its own ratio ("miss": the window learns a sudden
-slowdown too slowly; without it the study's shifted phases miss 1.1 T). Before a prompt
-token is measured the decode-only steps size the chunk ("prior", at most `initial`).
+maximum]) with predict(n, d) * margin(d) <= T. `predict`: the step-cost model
+(dlfp/stepcost.py). `margin(d)`: the quantile of measured / predicted over the window's
+chunk steps with d decodes (else all of them, else `prior_spread`) that holds `quantile` of
+the window's foreground ITLs, decode-only steps' too (the cap cannot shrink those: no ratio).
+No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one step in
+`probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
+that missed T by more than the margin plans the next at its own ratio ("miss": the window
+learns a sudden slowdown too slowly). Before a prompt token is measured the decode-only
+steps size the chunk ("prior").
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dlfp.paper import PaperParams
-from dlfp.policy import COMPLETION, Decision, PrefillPolicy, StepShape, describe_params
+from dlfp.policy import COMPLETION, Decision, PrefillPolicy, StepShape
 from dlfp.stepcost import StepCostModel
 
 
@@ -53,20 +51,11 @@ MARGIN_SAMPLES = 32  # a tail quantile of fewer ratios is their maximum, one unl
 YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
 
 
-class Measured(NamedTuple):
-    """A guarded step in the margin's window."""
-
+class Measured(NamedTuple):  # a guarded step in the margin's window
     decodes: int
     ratio: float | None  # measured / predicted; None: a decode-only step
     itls: int  # foreground ITLs it ended
     late: bool  # it ran over the target
-
-
-def weighted_quantile(samples, q: float) -> float:
-    """The smallest value whose weight, with every smaller value's, reaches q of the total:
-    `samples` as (value, weight). Equal weights give the order statistic ceil(q*n)."""
-    values, weights = zip(*samples)
-    return float(np.quantile(values, q, weights=weights, method="inverted_cdf"))
 
 
 class TailDLFP(PrefillPolicy):
@@ -87,9 +76,7 @@ class TailDLFP(PrefillPolicy):
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
     def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
-        if n_decode:
-            self._decodes = n_decode
-        d = self._decodes
+        self._decodes = d = n_decode or self._decodes
         self._target_ms = (target_s or self.params.target_s) * 1e3  # the margin is a ratio: it holds for any T
         margin = self.margin(d)
         missed = self._missed is not None and self._missed > margin
@@ -99,7 +86,7 @@ class TailDLFP(PrefillPolicy):
         rule = "miss" if missed and rule == "model" else rule
         if cap == 0:
             self._held_asks += 1
-            if self._held_asks >= self.params.probe_every and not self._known_to_miss(d):
+            if self._held_asks >= self.params.probe_every and not self._misses(d, fresh=True):
                 self._held_asks = 0
                 cap, rule = self.params.minimum, "probe"
             else:
@@ -121,27 +108,27 @@ class TailDLFP(PrefillPolicy):
 
     def margin(self, n_decode: int | None = None) -> float:
         """The ratio the chunk steps may exceed on as many ITLs as `quantile` leaves after the
-        decode-only steps that ran late: 1 - q of the window's ITLs, less theirs. Over the
-        steps with `n_decode` decodes; all steps where too few chunk steps had them; else the prior."""
+        decode-only steps that ran late: 1 - q of the window's ITLs, less theirs. Over the steps
+        with `n_decode` decodes; all steps where too few chunk steps had them; else the prior."""
         d = self._decodes if n_decode is None else n_decode
         for steps in ([s for s in self._window if s.decodes == d], self._window):
-            chunks = [(s.ratio, s.itls) for s in steps if s.ratio is not None]
+            chunks = [s for s in steps if s.ratio is not None]
             if len(chunks) >= MARGIN_SAMPLES:
                 spare = (1 - self.params.quantile) * sum(s.itls for s in steps)
                 spare -= sum(s.itls for s in steps if s.ratio is None and s.late)
-                return weighted_quantile(chunks, min(1.0, max(0.0, 1 - spare / sum(w for _, w in chunks))))
+                q = min(1.0, max(0.0, 1 - spare / sum(s.itls for s in chunks)))
+                # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
+                return float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
+                                         method="inverted_cdf"))
         return self.params.prior_spread
 
-    def _known_to_miss(self, d: int) -> bool:
-        """A pass measured within `probe_every` steps predicts the minimum chunk above T (a stale
-        one must not keep background out for good after a neighbour leaves: probes refresh it)."""
-        age = self.model.seq_age()
-        return age is not None and age < self.params.probe_every and self._misses(d)
-
-    def _misses(self, d: int) -> bool:
-        """Even the minimum chunk's typical step (no margin) is predicted above T."""
-        expected = self.model.predict(self.params.minimum, d)
-        return expected is not None and expected > self._target_ms
+    def _misses(self, d: int, fresh: bool = False) -> bool:
+        """Even the minimum chunk's typical step (no margin) is predicted above T; `fresh`: by a
+        pass measured within `probe_every` steps (a stale one must not keep background out for
+        good after a neighbour leaves: probes refresh it)."""
+        m, expected = self.model, self.model.predict(self.params.minimum, d)
+        stale = fresh and (m.seq_measured_at is None or m.n_obs - m.seq_measured_at >= self.params.probe_every)
+        return not stale and expected is not None and expected > self._target_ms
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
         n = shape.n_prefill if shape is not None else cap
@@ -154,20 +141,17 @@ class TailDLFP(PrefillPolicy):
         predicted = self.model.predict(n, d) if self.model.ready or n == 0 else None
         late = ms > self._target_ms
         self._missed = ms / predicted if predicted and late else None
-        if n == 0:
-            self._window.append(Measured(d, None, itls, late))
-        elif predicted and self.model.n_obs >= YOUNG_MODEL:
-            self._window.append(Measured(d, ms / predicted, itls, late))
+        if n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL):
+            self._window.append(Measured(d, ms / predicted if n else None, itls, late))
         self.model.update(ms, n, d, shape.n_chunks if shape is not None else None)
 
     def reset(self) -> None:
-        # What was learned is a property of the device and model, not of one turn: kept.
-        self._held_asks = 0
+        self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept
 
     def device_changed(self, cost_factor: float | None = None) -> None:
         # The learned costs times the factor (threads rarely scale perfectly, so fewer threads err
-        # safe); a faster device keeps the old costs and the next steps teach the speed-up. Without
-        # a factor: learn afresh. Margins are relearned either way.
+        # safe; a faster device keeps the old costs and the next steps teach the speed-up); without
+        # a factor, learned afresh. Margins are relearned either way.
         if cost_factor and cost_factor > 0 and self.model.ready:
             self.model.scale(max(1.0, cost_factor))
         else:
@@ -178,6 +162,3 @@ class TailDLFP(PrefillPolicy):
     @property
     def target_unreachable(self) -> bool:
         return self.model.ready and self._misses(self._decodes)
-
-    def describe(self) -> dict:
-        return describe_params(self.name, self.source, self.params)

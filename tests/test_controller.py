@@ -469,15 +469,22 @@ def test_step_cost_of_chunks_with_no_decode_beside_them():
     assert m.base_ms == pytest.approx(18.0) and m.token_ms == pytest.approx(8.0, rel=0.01)
 
 
-def test_weighted_quantile_is_the_order_statistic_for_equal_weights():
-    from dlfp.tail import weighted_quantile
-    values = [random.Random(3).random() for _ in range(128)]
-    ordered = sorted(values)
-    for q in (0.5, 0.9, 0.99):
-        assert weighted_quantile([(v, 1) for v in values], q) == ordered[math.ceil(q * 128) - 1]
-    # One high value of weight 2 among 127 of weight 1 is 2 of 129: above the top 1%.
-    assert weighted_quantile([(1.0, 1)] * 127 + [(1.5, 2)], 0.99) == 1.5
-    assert weighted_quantile([(1.0, 1)] * 127 + [(1.5, 1)], 0.99) == 1.0
+def test_tail_margin_is_the_itl_weighted_order_statistic_of_the_ratios():
+    """Chunk steps alone: the margin is the ratio at ceil(q * n) of the ITL-weighted ratios, the
+    127th of 128 at q = 0.99. One high ratio of a step that ended two ITLs is 2 of 129 ITLs,
+    above the top 1%: the margin; of a step that ended one, it is not."""
+    def margin(ratios: list[float], last_itls: int = 1) -> float:
+        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0))  # the costs stay put
+        c.model.base_ms, c.model.seq_ms, c.model.token_ms, c.model.n_obs = 40.0, 20.0, 8.0, 100
+        for i, r in enumerate(ratios):
+            d = last_itls if i == len(ratios) - 1 else 1
+            c.observe(r * c.model.predict(1, d) / 1e3, cap=1, shape=StepShape(d, 1, 0, 0, n_chunks=1))
+        return c.margin(3)  # no step had 3 decodes: over all of them
+    rng = random.Random(3)
+    ratios = [rng.uniform(0.8, 1.6) for _ in range(128)]
+    assert margin(ratios) == pytest.approx(sorted(ratios)[126])
+    assert margin([1.0] * 127 + [1.5], last_itls=2) == pytest.approx(1.5)
+    assert margin([1.0] * 127 + [1.5], last_itls=1) == pytest.approx(1.0)
 
 
 def test_tail_spread_counts_a_step_once_per_foreground_itl():
