@@ -13,6 +13,7 @@ steps size the chunk ("prior").
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class TailParams(PaperParams):
 
 
 MARGIN_SAMPLES = 32  # a tail quantile of fewer ratios is their maximum, one unlucky step
+BIAS_SAMPLES = 3  # ratios beside a decode count that shift the pooled margin (held: one per probe)
 YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
 
 
@@ -69,6 +71,8 @@ class TailDLFP(PrefillPolicy):
         self.name = name
         self.model = StepCostModel(params.forgetting)
         self._window: deque[Measured] = deque(maxlen=params.window)
+        self._speed = 1.0  # the device's step cost relative to the first: the product of the cost factors
+        self._speeds: dict[float, tuple[StepCostModel, deque]] = {}  # model and window at other speeds
         self._decodes = 1  # decodes of the latest step: the plan's default
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
@@ -109,17 +113,24 @@ class TailDLFP(PrefillPolicy):
     def margin(self, n_decode: int | None = None) -> float:
         """The ratio the chunk steps may exceed on as many ITLs as `quantile` leaves after the
         decode-only steps that ran late: 1 - q of the window's ITLs, less theirs. Over the steps
-        with `n_decode` decodes; all steps where too few chunk steps had them; else the prior."""
+        with `n_decode` decodes; where too few chunk steps had them, over all steps, times how far
+        the model errs beside `n_decode` (their median ratio over all steps') once BIAS_SAMPLES
+        measured it; else the prior."""
         d = self._decodes if n_decode is None else n_decode
-        for steps in ([s for s in self._window if s.decodes == d], self._window):
+        same = [s for s in self._window if s.decodes == d]
+        for steps in (same, self._window):
             chunks = [s for s in steps if s.ratio is not None]
             if len(chunks) >= MARGIN_SAMPLES:
                 spare = (1 - self.params.quantile) * sum(s.itls for s in steps)
                 spare -= sum(s.itls for s in steps if s.ratio is None and s.late)
                 q = min(1.0, max(0.0, 1 - spare / sum(s.itls for s in chunks)))
                 # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
-                return float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
-                                         method="inverted_cdf"))
+                margin = float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
+                                           method="inverted_cdf"))
+                mine = [s.ratio for s in same if s.ratio is not None]
+                if steps is same or len(mine) < BIAS_SAMPLES:
+                    return margin
+                return margin * float(np.median(mine) / np.median([s.ratio for s in chunks]))
         return self.params.prior_spread
 
     def _misses(self, d: int, fresh: bool = False) -> bool:
@@ -149,14 +160,21 @@ class TailDLFP(PrefillPolicy):
         self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept
 
     def device_changed(self, cost_factor: float | None = None) -> None:
-        # The learned costs times the factor (threads rarely scale perfectly, so fewer threads err
-        # safe; a faster device keeps the old costs and the next steps teach the speed-up); without
-        # a factor, learned afresh. Margins are relearned either way.
-        if cost_factor and cost_factor > 0 and self.model.ready:
-            self.model.scale(max(1.0, cost_factor))
+        # What was learned at each speed is kept for a return to it: thread counts flap, and costs
+        # scaled at every change ratcheted (2 -> 1 -> 2 -> 1 threads doubled them twice). A new
+        # speed starts from the costs times the factor (fewer threads: threads rarely scale
+        # perfectly, so this errs safe; more: the old costs, the next steps teach the speed-up)
+        # and a fresh margin window; without a factor, everything afresh.
+        old, known = self.model, bool(cost_factor and cost_factor > 0)
+        if known:
+            self._speeds[self._speed] = (self.model, self._window)
+            self._speed = round(self._speed * cost_factor, 6)
         else:
-            self.model = StepCostModel(self.params.forgetting)
-        self._window.clear()
+            self._speeds.clear()
+        self.model, self._window = self._speeds.pop(self._speed, (None, deque(maxlen=self.params.window)))
+        if self.model is None:  # a speed not seen before
+            self.model = copy.deepcopy(old) if known and old.ready else StepCostModel(self.params.forgetting)
+            self.model.scale(max(1.0, cost_factor or 1.0))
         self.reset()
 
     @property

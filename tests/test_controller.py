@@ -586,6 +586,43 @@ def test_tail_margin_holds_the_quantile_over_every_foreground_itl():
     assert margin(120.0) == pytest.approx(1.5)  # the late decode-only steps used up the 1%
 
 
+def test_a_decode_count_with_few_steps_shifts_the_pooled_margin_by_its_own_error():
+    """Held beside two decodes, only probes measure that count (one in 32 steps): the model
+    overpredicted the minimum chunk there by 12% (33-34 ms measured, 37-38 predicted at T = 50;
+    `runs/2026-12-03-itl-controller-t50`, seed 853) and the pooled margin held background out.
+    Three such ratios shift the pooled margin by their median over the pool's."""
+    from dlfp.tail import BIAS_SAMPLES, MARGIN_SAMPLES
+    c = TailDLFP(TailParams(0.050, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
+    m = c.model
+    m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 14.0, 13.0, 3.0, 100
+    for i in range(MARGIN_SAMPLES):
+        c.observe((1.3 if i == 5 else 1.0) * m.predict(1, 1) / 1e3, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))
+    pooled = c.margin(2)
+    assert pooled == pytest.approx(1.3) and c.decide(2).rule == "hold"  # 40 ms x 1.3 > 50
+    for _ in range(BIAS_SAMPLES):
+        c.observe(0.88 * m.predict(1, 2) / 1e3, cap=1, shape=StepShape(2, 1, 0, 0, n_chunks=1))
+    assert c.margin(2) == pytest.approx(1.3 * 0.88) and c.margin(1) == pytest.approx(1.3)
+    assert c.decide(2).cap >= 1
+
+
+def test_thread_counts_that_flap_restore_what_was_learned_at_each():
+    """Two threads, one, two, one: each return finds the costs and margins learned there, where
+    scaling at every change doubled the costs twice (seed 852 at T = 50: the minimum chunk then
+    predicted at 44 ms, measured at 20, and background held out for 226 steps)."""
+    c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, zero_cap=True))
+    drive(c, 200, random.Random(5), sigma=0.1)
+    two = (c.model.base_ms, c.model.seq_ms, c.model.token_ms)
+    margin = c.margin()
+    c.device_changed(2.0)
+    assert c.model.token_ms == pytest.approx(2 * two[2]) and c.margin() == c.params.prior_spread
+    c.device_changed(0.5)
+    assert (c.model.base_ms, c.model.seq_ms, c.model.token_ms) == two and c.margin() == margin
+    c.device_changed(2.0)
+    assert c.model.token_ms == pytest.approx(2 * two[2])
+    c.device_changed()  # no factor: a device unlike any before
+    assert c.model.token_ms is None and not c._speeds
+
+
 def test_a_device_change_rescales_the_model_and_clears_the_margins():
     c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, zero_cap=True))
     drive(c, 200, random.Random(2), sigma=0.1)
