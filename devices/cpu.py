@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import psutil
@@ -104,33 +105,41 @@ class OtherLoad:
 
     def __init__(self, pid: int | None = None):
         self._proc = psutil.Process(pid)
-        self._prev = self._now()
+        self._prev = self.snapshot()
 
-    def _now(self) -> tuple[float, float, float]:
+    def snapshot(self) -> tuple[float, float, float]:
+        """(monotonic time, the system's busy seconds, this process's CPU seconds)."""
         t = psutil.cpu_times()
         total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
         busy = total - t.idle - getattr(t, "iowait", 0.0)
         own = self._proc.cpu_times()
         return time.monotonic(), busy, own.user + own.system
 
+    @staticmethod
+    def between(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+        """Cores used by others from one snapshot to a later one."""
+        (t0, busy0, own0), (t1, busy1, own1) = before, after
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+
     def read(self) -> float | None:
         """Cores used by others since the previous read (None: too little time has passed)."""
-        now = self._now()
-        (t0, busy0, own0), (t1, busy1, own1) = self._prev, now
-        if t1 - t0 < MIN_INTERVAL_S:
+        now = self.snapshot()
+        if now[0] - self._prev[0] < MIN_INTERVAL_S:
             return None
-        self._prev = now
-        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+        figure, self._prev = self.between(self._prev, now), now
+        return figure
 
 
 class LoadWatch:
-    """OtherLoad read every `period_s` on its own thread: `read()` gives the latest window's
-    figure, however long ago the caller last asked.
+    """Other programs' load over the latest `period_s`, up to the moment it is asked.
 
-    The thread governor runs between steps. A figure read there would span the whole step
-    before it, so a neighbour that starts during a long prefill step would be diluted below
-    the slack, and the next steps would run on every thread beside it. A thread of its own
-    keeps the window at `period_s`; two small /proc reads per period cost nothing next to a step.
+    The thread governor asks between steps. Read across the whole step before it, a
+    neighbour that started late in a long prefill step would be diluted below the slack;
+    read on a timer, the figure would be up to a period old when a step the neighbour
+    already slowed ends, and the next step would run on every thread beside it (in the
+    noisy-neighbour workload a 110 ms step, then one of 260-320 ms on two threads). So a
+    thread of its own snapshots the counters every quarter period, and `read()` measures
+    from the newest snapshot at least a period old to now: two small /proc reads a step.
     """
 
     def __init__(self, load: OtherLoad | None = None, period_s: float = 0.2):
@@ -138,18 +147,20 @@ class LoadWatch:
             raise ValueError(f"period_s must be >= {MIN_INTERVAL_S}, got {period_s}")
         self.load = load or OtherLoad()
         self.period_s = period_s
-        self._latest: float | None = None
+        self._snapshots: deque[tuple[float, float, float]] = deque(maxlen=6)  # a period and a half of them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def read(self) -> float | None:
-        """Cores used by others in the latest complete window (None: none yet)."""
-        return self._latest
+        """Cores used by others over the latest period (None: not a period's snapshots yet)."""
+        now = self.load.snapshot()
+        old = [s for s in list(self._snapshots) if now[0] - s[0] >= self.period_s]
+        return self.load.between(old[-1], now) if old else None
 
     def start(self) -> "LoadWatch":
         if self._thread is None:
             self._stop.clear()
-            self.load.read()  # the first window starts now
+            self._snapshots.append(self.load.snapshot())  # the first window starts now
             self._thread = threading.Thread(target=self._run, name="dlfp-load", daemon=True)
             self._thread.start()
         return self
@@ -161,7 +172,5 @@ class LoadWatch:
             self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            figure = self.load.read()
-            if figure is not None:
-                self._latest = figure
+        while not self._stop.wait(self.period_s / 4):
+            self._snapshots.append(self.load.snapshot())

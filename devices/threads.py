@@ -13,11 +13,11 @@ over any target); running on the cores nobody else wants does.
 The governor is asked between steps and reads other programs' load (cores' worth
 of CPU time used by other processes and stolen by the hypervisor: devices/cpu.py
 `OtherLoad`, the figure the CPU probe records as `other_cores`) from `source`. The
-engine's assembly gives it a `LoadWatch`, which reads that figure every `READ_S` on
-its own thread (faster than the probe sampler, because every step run on too many
-threads beside a neighbour costs the chat a stall), so the figure covers the last
-read period even after a step of seconds; `poll_s` spaces the governor's own reads
-(0 there: the watch's figure is free to ask). It wants
+engine's assembly gives it a `LoadWatch`, which measures that figure over the last
+`READ_S` up to the moment it is asked (snapshots on its own thread keep the start of
+that period even after a step of seconds), so the step after one a new neighbour
+slowed already runs on fewer threads; `poll_s` spaces the governor's own reads (0
+there: two small /proc reads a step). It wants
 `max_threads - ceil(other_cores - slack)` threads, at least one: a neighbour using
 less than `slack` of a core costs no thread. It lowers the count as soon as one
 reading (itself an average over the probe period) asks for it, or once the wish
@@ -34,7 +34,7 @@ from typing import Callable
 
 log = logging.getLogger("dlfp.threads")
 
-READ_S = 0.2  # how often other programs' load is read; a shorter period reacts to every brief burst of other work
+READ_S = 0.2  # the period other programs' load is measured over; a shorter one reacts to every brief burst of other work
 
 
 class ThreadGovernor:

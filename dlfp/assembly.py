@@ -96,8 +96,9 @@ def _all_threads(backend: Backend) -> None:
 
 def _thread_governor(engine: Engine, backend: Backend):
     """Fewer step threads while other programs hold cores, where the backend can switch.
-    Other programs' load is read on its own thread (a companion of the engine), so the figure
-    the governor sees between steps covers the last read period, not the whole step before."""
+    Other programs' load is snapshotted on its own thread (a companion of the engine), so the
+    figure the governor sees between steps covers the last read period up to that moment, not
+    the whole step before."""
     if (backend.max_threads or 0) <= 1 or backend.threads is None:
         return None
     try:
@@ -109,7 +110,7 @@ def _thread_governor(engine: Engine, backend: Backend):
 
     watch = LoadWatch(period_s=READ_S)
     engine.companions.append(watch)
-    return ThreadGovernor(watch.read, backend.max_threads, poll_s=0.0)  # the watch's figure: free to ask
+    return ThreadGovernor(watch.read, backend.max_threads, poll_s=0.0)  # two /proc reads a step
 
 
 def _sampler(engine: Engine, period_s: float | None):

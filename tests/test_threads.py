@@ -103,6 +103,28 @@ def test_load_watch_sees_a_neighbour_that_started_late_in_a_long_step():
         LoadWatch(period_s=0.01)
 
 
+def test_load_watch_reads_up_to_the_moment_it_is_asked():
+    """A neighbour that started 0.12 s before the governor asks is in the figure, though the
+    watch's thread last ran before it started: a figure kept from a timer's last read would end
+    there (in the noisy-neighbour workload the step it slowed was followed by one of 260-320 ms
+    on two threads). A read before a period of snapshots exists gives none."""
+    watch = LoadWatch(period_s=0.2)
+    assert watch.start().read() is None
+    spin = None
+    try:
+        time.sleep(0.42)  # the watch's thread snapshots every 0.05 s from here on
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.12)
+        others = watch.read()
+    finally:
+        if spin is not None:
+            spin.kill()
+            spin.wait()
+        watch.stop()
+    assert others is not None and others >= 0.4  # 0.12 s of a busy core in 0.2 s, over the slack
+    assert ThreadGovernor(lambda: others, max_threads=2, poll_s=0.0)(0.0) == 1
+
+
 def test_the_assembled_governor_reads_load_on_its_own_thread(tiny_gguf):
     from dlfp.assembly import build_engine
     from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
