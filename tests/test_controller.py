@@ -588,7 +588,7 @@ def test_tail_margin_holds_the_quantile_over_every_foreground_itl():
 
 def test_a_decode_count_with_few_steps_shifts_the_pooled_margin_by_its_own_error():
     """Held beside two decodes, only probes measure that count (one in 32 steps): the model
-    overpredicted the minimum chunk there by 12% (33-34 ms measured, 37-38 predicted at T = 50;
+    overpredicted the minimum chunk there by 8-13% (33-34 ms measured, 37-38 predicted at T = 50;
     `runs/2026-12-03-itl-controller-t50`, seed 853) and the pooled margin held background out.
     Three such ratios shift the pooled margin by their median over the pool's."""
     from dlfp.tail import BIAS_SAMPLES, MARGIN_SAMPLES
