@@ -165,16 +165,19 @@ class TailDLFP(PrefillPolicy):
         # speed starts from the costs times the factor (fewer threads: threads rarely scale
         # perfectly, so this errs safe; more: the old costs, the next steps teach the speed-up)
         # and a fresh margin window; without a factor, everything afresh.
-        old, known = self.model, bool(cost_factor and cost_factor > 0)
-        if known:
+        if not (cost_factor and cost_factor > 0):
+            self._speeds.clear()
+            self.model, self._window = StepCostModel(self.params.forgetting), deque(maxlen=self.params.window)
+        else:
             self._speeds[self._speed] = (self.model, self._window)
             self._speed = round(self._speed * cost_factor, 6)
-        else:
-            self._speeds.clear()
-        self.model, self._window = self._speeds.pop(self._speed, (None, deque(maxlen=self.params.window)))
-        if self.model is None:  # a speed not seen before
-            self.model = copy.deepcopy(old) if known and old.ready else StepCostModel(self.params.forgetting)
-            self.model.scale(max(1.0, cost_factor or 1.0))
+            kept = self._speeds.pop(self._speed, None)
+            if kept is not None:
+                self.model, self._window = kept
+            else:  # a speed not seen before
+                old, self._window = self.model, deque(maxlen=self.params.window)
+                self.model = copy.deepcopy(old) if old.ready else StepCostModel(self.params.forgetting)
+                self.model.scale(max(1.0, cost_factor))
         self.reset()
 
     @property
