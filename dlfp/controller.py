@@ -33,11 +33,36 @@ def params_from_table(table: Mapping, itl_target_ms: float | None = None) -> Tai
     return TailParams(target_s=target_s, **values)
 
 
-POLICY_NAMES = ("unbounded", "fixed:N", "dlfp", "dlfp-paper", "dlfp-cadence")
+POLICY_NAMES = ("unbounded", "fixed:N", "dlfp[:name=value...]", "dlfp-paper", "dlfp-cadence")
+
+
+def with_overrides(params: TailParams, pairs: list[str]) -> TailParams:
+    """`params` with `name=value` pairs applied (value `none`: None; target_ms in ms)."""
+    values: dict = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if name == "target_ms":
+            name, text = "target_s", str(float(text) / 1e3) if sep else text
+        default = getattr(params, name, ...) if name in {f.name for f in fields(TailParams)} else ...
+        if not sep or default is ...:
+            known = sorted({f.name for f in fields(TailParams)} - {"target_s"} | {"target_ms"})
+            raise ValueError(f"dlfp parameter {pair!r}: name=value with a name of {', '.join(known)}")
+        try:
+            if text.lower() == "none":
+                values[name] = None
+            elif isinstance(default, bool):
+                values[name] = {"true": True, "false": False}[text.lower()]
+            else:
+                values[name] = int(text) if isinstance(default, int) else float(text)
+        except (KeyError, ValueError):
+            raise ValueError(f"dlfp parameter {pair!r}: {text!r} is not a {type(default).__name__}") from None
+    return replace(params, **values)
 
 
 def parse_policy(spec: str, defaults: TailParams) -> PrefillPolicy:
     """`unbounded`, `fixed:N`, `dlfp`, `dlfp-paper`, `dlfp-cadence` -> a fresh policy.
+    `dlfp:name=value[:name=value]` overrides the tail controller's parameters for one arm
+    (`dlfp:excursion=none`, `dlfp:quantile=0.995`).
 
     The paper's law runs without a growth limit (equation (2) as published),
     whatever the profile sets for max_growth.
@@ -50,8 +75,8 @@ def parse_policy(spec: str, defaults: TailParams) -> PrefillPolicy:
         if not value.isdigit():
             raise ValueError(f"fixed cap needs a positive integer: {spec!r}")
         return FixedCap(int(value))
-    if spec == "dlfp":
-        return TailDLFP(defaults)
+    if spec == "dlfp" or spec.startswith("dlfp:"):
+        return TailDLFP(with_overrides(defaults, spec.split(":")[1:]))
     if spec == "dlfp-paper":
         return PaperDLFP(replace(PaperParams.of(defaults), max_growth=None), COMPLETION)
     if spec == "dlfp-cadence":
@@ -66,4 +91,5 @@ def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> Prefil
     for at most about one such step. Never 0, since isolated background prefill must progress.
     """
     initial = max(1, min(initial, max_tokens))
-    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False), name="budget")
+    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False,
+                                excursion=None), name="budget")
