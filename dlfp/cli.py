@@ -10,7 +10,8 @@ import click
 from dlfp.profiles import load_profile
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 
-POLICY_HELP = "comma-separated: unbounded, dlfp, dlfp-paper, dlfp-cadence, fixed:N"
+POLICY_HELP = ("comma-separated: unbounded, dlfp, dlfp-paper, dlfp-cadence, fixed:N; "
+               "dlfp:name=value[:name=value] overrides a controller parameter for that arm (dlfp:quantile=0.995)")
 HOLD_HELP = ("Seconds after its last turn that a conversation's cached prefix is kept from background requests "
              "(they wait for another slot; 0: no hold, inf: for ever).")
 

@@ -62,7 +62,7 @@ def with_overrides(params: TailParams, pairs: list[str]) -> TailParams:
 def parse_policy(spec: str, defaults: TailParams) -> PrefillPolicy:
     """`unbounded`, `fixed:N`, `dlfp`, `dlfp-paper`, `dlfp-cadence` -> a fresh policy.
     `dlfp:name=value[:name=value]` overrides the tail controller's parameters for one arm
-    (`dlfp:excursion=none`, `dlfp:quantile=0.995`).
+    (`dlfp:quantile=0.995`, `dlfp:window=64:zero_cap=false`).
 
     The paper's law runs without a growth limit (equation (2) as published),
     whatever the profile sets for max_growth.
@@ -91,5 +91,4 @@ def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> Prefil
     for at most about one such step. Never 0, since isolated background prefill must progress.
     """
     initial = max(1, min(initial, max_tokens))
-    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False,
-                                excursion=None), name="budget")
+    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False), name="budget")

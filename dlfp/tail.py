@@ -4,9 +4,7 @@ A guarded step with d decodes gets the largest chunk n (a quantum multiple in [m
 maximum]) with predict(n, d) * margin(d) <= T. `predict`: the step-cost model
 (dlfp/stepcost.py). `margin(d)`: the quantile of measured / predicted over the window's
 chunk steps with d decodes (else all of them, else `prior_spread`) that holds `quantile` of
-the window's foreground ITLs, decode-only steps' too (the cap cannot shrink those: no ratio),
-and at least the window's largest ratio over `excursion` (one ITL that far over T still lets a
-reply meet its own P99 goal; further, it fails the reply).
+the window's foreground ITLs, decode-only steps' too (the cap cannot shrink those: no ratio).
 No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one step in
 `probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
 that missed T by more than the margin plans the next at its own ratio ("miss": the window
@@ -38,10 +36,6 @@ class TailParams(PaperParams):
     prior_spread: float = 1.5  # the margin until enough steps have been measured
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
     probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
-    # A reply meets its own goal (its P99 ITL <= 1.1 T, dlfp.metrics) with one ITL up to about
-    # this x T: a ~64-token reply's P99 lies 0.38 of the way from its second-largest ITL to its
-    # largest, so T + 0.1 T / 0.38. The window's largest ratio is held under it (None: not held).
-    excursion: float | None = 1.25
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,9 +43,7 @@ class TailParams(PaperParams):
                                 (self.window >= MARGIN_SAMPLES, f"window >= {MARGIN_SAMPLES} steps", self.window),
                                 (0.5 <= self.forgetting <= 1, "forgetting in [0.5, 1]", self.forgetting),
                                 (self.prior_spread >= 1, "prior_spread >= 1", self.prior_spread),
-                                (self.probe_every >= 1, "probe_every >= 1", self.probe_every),
-                                (self.excursion is None or self.excursion >= 1, "excursion >= 1 or None",
-                                 self.excursion)):
+                                (self.probe_every >= 1, "probe_every >= 1", self.probe_every)):
             if not ok:
                 raise ValueError(f"need {need}, got {value}")
 
@@ -123,7 +115,7 @@ class TailDLFP(PrefillPolicy):
         decode-only steps that ran late: 1 - q of the window's ITLs, less theirs. Over the steps
         with `n_decode` decodes; where too few chunk steps had them, over all steps, times how far
         the model errs beside `n_decode` (their median ratio over all steps') once BIAS_SAMPLES
-        measured it; else the prior. Never under the largest ratio over `excursion`."""
+        measured it; else the prior."""
         d = self._decodes if n_decode is None else n_decode
         same = [s for s in self._window if s.decodes == d]
         for steps in (same, self._window):
@@ -135,8 +127,6 @@ class TailDLFP(PrefillPolicy):
                 # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
                 margin = float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
                                            method="inverted_cdf"))
-                if self.params.excursion:  # and no reply's largest ITL past `excursion` x T
-                    margin = max(margin, max((s.ratio for s in chunks if s.itls), default=0.0) / self.params.excursion)
                 mine = [s.ratio for s in same if s.ratio is not None]
                 if steps is same or len(mine) < BIAS_SAMPLES:
                     return margin

@@ -15,6 +15,8 @@
 #   CACHE_PROMPT=1 (0: every request sends cache_prompt=false)  BENCH_ARGS="..." (extra dlfp bench options)
 #   PORTS="8201 8202 8203"  JOBS=<nproc>  DLFP_LLAMA_SERVER_CACHE=~/.cache/dlfp/llama-server
 #   LLAMA_SERVER=0 (only `dlfp serve` unbounded and dlfp: nothing built, no llama-server arm)
+#   LS_ARGS="-b 8 -ub 8" (extra llama-server options, e.g. the small batch a user tunes for smooth
+#   chat; the arm is then named llama-server-b8 after its -b)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -89,10 +91,13 @@ trap cleanup EXIT
 # (n_batch 2048, n_ubatch 512): that is what a user runs.
 ENDPOINTS=()
 if [ "$LLAMA_SERVER" = 1 ]; then
+  # shellcheck disable=SC2086
   "$BIN" -m "$MODEL" --host 127.0.0.1 --port "$P_LS" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" \
-    -c $((SLOTS * CTX_PER_SLOT)) --no-kv-unified --no-repack -fa off --no-webui >"$OUT/llama-server.log" 2>&1 &
+    -c $((SLOTS * CTX_PER_SLOT)) --no-kv-unified --no-repack -fa off --no-webui ${LS_ARGS:-} >"$OUT/llama-server.log" 2>&1 &
   PIDS+=($!)
-  ENDPOINTS+=(--endpoint "llama-server=http://127.0.0.1:$P_LS/v1")
+  LS_NAME=llama-server
+  [[ " ${LS_ARGS:-} " =~ \ -b\ ([0-9]+) ]] && LS_NAME=llama-server-b${BASH_REMATCH[1]}
+  ENDPOINTS+=(--endpoint "$LS_NAME=http://127.0.0.1:$P_LS/v1")
 fi
 for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
   read -r policy port <<<"$spec"

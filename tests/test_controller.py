@@ -474,7 +474,7 @@ def test_tail_margin_is_the_itl_weighted_order_statistic_of_the_ratios():
     127th of 128 at q = 0.99. One high ratio of a step that ended two ITLs is 2 of 129 ITLs,
     above the top 1%: the margin; of a step that ended one, it is not."""
     def margin(ratios: list[float], last_itls: int = 1) -> float:
-        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, excursion=None))  # the costs stay put
+        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0))  # the costs stay put
         c.model.base_ms, c.model.seq_ms, c.model.token_ms, c.model.n_obs = 40.0, 20.0, 8.0, 100
         for i, r in enumerate(ratios):
             d = last_itls if i == len(ratios) - 1 else 1
@@ -493,7 +493,7 @@ def test_tail_spread_counts_a_step_once_per_foreground_itl():
     sees a wider spread (a lower setpoint) than the one whose slow steps carried one
     foreground and one background decode; counted per step, the two would be equal."""
     def run(n_protected: int) -> TailDLFP:
-        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, zero_cap=True, excursion=None))
+        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, zero_cap=True))
         for k in range(300):
             slow = k % 100 == 50  # one step in a hundred: at most the 99th percentile of steps
             decodes = 1 if k % 5 == 4 else 2  # decode-only steps with one decode measure the base
@@ -574,7 +574,7 @@ def test_tail_margin_holds_the_quantile_over_every_foreground_itl():
     chunk step in 64 is under 1% of the ITLs and leaves the margin at the others' ratio; alone,
     or beside decode-only steps that themselves ran over T, it is the quantile."""
     def margin(decode_only_ms: float | None) -> float:
-        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True, excursion=None))
+        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
         c.model.base_ms, c.model.seq_ms, c.model.token_ms, c.model.n_obs = 40.0, 20.0, 8.0, 100
         for i in range(64):
             c.observe((1.5 if i == 10 else 1.0) * 60.0 / 1e3, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))
@@ -584,28 +584,6 @@ def test_tail_margin_holds_the_quantile_over_every_foreground_itl():
     assert margin(None) == pytest.approx(1.5)
     assert margin(40.0) == pytest.approx(1.0)
     assert margin(120.0) == pytest.approx(1.5)  # the late decode-only steps used up the 1%
-
-
-def test_no_reply_may_see_an_itl_past_the_excursion_its_own_goal_allows():
-    """A 64-token reply meets its own P99 <= 1.1 T with one ITL at 1.25 T, not at 1.3 T; so the
-    margin is never under the window's largest ratio over `excursion`, though that step is
-    under 1% of the ITLs (the quantile alone leaves it out)."""
-    from dlfp.metrics import goals_met
-    from dlfp.trace import RequestRecord
-    def reply(worst: float) -> RequestRecord:
-        times = [1.0 + 0.1 * i for i in range(63)] + [1.0 + 0.1 * 62 + 0.1 * worst]
-        return RequestRecord("r", "foreground", "chat", 0.0, 8, list(range(64)), times, "length", None, times[-1])
-    assert goals_met(reply(1.25), None, 0.1) and not goals_met(reply(1.3), None, 0.1)
-
-    def margin(excursion: float | None) -> float:
-        c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, excursion=excursion))
-        c.model.base_ms, c.model.seq_ms, c.model.token_ms, c.model.n_obs = 40.0, 20.0, 8.0, 100
-        for i in range(128):
-            c.observe((1.5 if i == 10 else 1.0) * 60.0 / 1e3, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))
-        return c.margin(1)
-    assert margin(None) == pytest.approx(1.0)
-    assert margin(1.25) == pytest.approx(1.5 / 1.25)
-    assert TailDLFP(TailParams(0.100, 4, 1, 256, 1)).params.excursion == 1.25
 
 
 def test_a_decode_count_with_few_steps_shifts_the_pooled_margin_by_its_own_error():
@@ -656,10 +634,10 @@ def test_a_device_change_rescales_the_model_and_clears_the_margins():
 
 def test_a_dlfp_arm_may_override_the_tail_parameters_by_name():
     defaults = TailParams(0.100, 4, 1, 256, 1, zero_cap=True)
-    p = parse_policy("dlfp:excursion=none:quantile=0.995:window=64:target_ms=50:zero_cap=false", defaults).params
-    assert (p.excursion, p.quantile, p.window, p.target_s, p.zero_cap) == (None, 0.995, 64, 0.05, False)
+    p = parse_policy("dlfp:quantile=0.995:window=64:target_ms=50:zero_cap=false:max_growth=none", defaults).params
+    assert (p.quantile, p.window, p.target_s, p.zero_cap, p.max_growth) == (0.995, 64, 0.05, False, None)
     assert parse_policy("dlfp", defaults).params == defaults
     for bad, says in (("dlfp:nope=1", "name=value"), ("dlfp:window", "name=value"),
-                      ("dlfp:window=x", "not a int"), ("dlfp:excursion=0.5", "excursion >= 1")):
+                      ("dlfp:window=x", "not a int"), ("dlfp:quantile=1.5", "quantile in")):
         with pytest.raises(ValueError, match=says):
             parse_policy(bad, defaults)
