@@ -82,7 +82,12 @@ MODEL=${MODEL:-$("$PY" -c 'from dlfp.models import default_model_path; print(def
 THREADS=${THREADS:-$("$PY" -c 'from dlfp.protocol import physical_cores; print(physical_cores())')}
 mkdir -p "$OUT"
 PIDS=()
-cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+STATE=$(mktemp -d)  # the servers' batch stores: not a result, so not under $OUT
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$STATE"
+}
 trap cleanup EXIT
 
 # --no-repack: the AMX weight repacking crash the backend avoids (use_extra_bufts off);
@@ -101,7 +106,7 @@ if [ "$LLAMA_SERVER" = 1 ]; then
 fi
 for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
   read -r policy port <<<"$spec"
-  "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" --state-dir "$OUT/state-$policy" \
+  "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" --state-dir "$STATE/$policy" \
     >"$OUT/dlfp-serve-$policy.log" 2>&1 &
   PIDS+=($!)
 done

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from statistics import median
 from pathlib import Path
 from typing import Callable
 
@@ -295,6 +296,21 @@ def multiturn(folder: Path, cfg: dict) -> list[str]:
     return out
 
 
+def turns(folder: Path, cfg: dict) -> list[str]:
+    """Multi-turn workloads, per seed and arm: turn 1's TTFT and turns 2-8's (the median of the
+    per-turn medians), against the first arm's in the same seed."""
+    rows = [r for r in _rows(folder) if r.get("ttft_by_turn_ms")]
+    arms = _arms(rows, cfg)
+    later = {(r["seed"], r["policy"]): median([x for x in r["ttft_by_turn_ms"][1:] if x is not None] or [0.0])
+             for r in rows}
+    out = _header(["seed", "arm", "TTFT turn 1 (ms)", "TTFT turns 2-8 (ms)", f"turns 2-8 vs {arms[0]}"], 2)
+    for r in sorted(rows, key=lambda r: (r["seed"], arms.index(r["policy"]))):
+        mine, ref = later[(r["seed"], r["policy"])], later.get((r["seed"], arms[0]))
+        out.append(_row([r["seed"], r["policy"], _n(r["ttft_by_turn_ms"][0], 0), _n(mine, 0),
+                         f"{mine / ref:.2f}x" if mine and ref else "-"]))
+    return out
+
+
 def slots(folder: Path, cfg: dict) -> list[str]:
     """Conversations beside documents, per seed against the `unbounded` arm of the same seed:
     prompt tokens reused, later turns' TTFT, requests within the SLO, ITL, background, the
@@ -425,7 +441,8 @@ def study(folder: Path, cfg: dict) -> list[str]:
 
 KINDS: dict[str, Callable[[Path, dict], list[str]]] = {
     "laptop": laptop, "backends-laptop": backends_laptop, "check-model": check_model, "et-packed": et_packed,
-    "trials": trials, "sweep": sweep, "phases": phases, "paired": paired, "multiturn": multiturn, "slots": slots,
+    "trials": trials, "sweep": sweep, "phases": phases, "paired": paired, "multiturn": multiturn, "turns": turns,
+    "slots": slots,
     "side-by-side": side_by_side, "goodput": goodput,
     "soak": soak,
     "study": study,
