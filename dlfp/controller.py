@@ -37,26 +37,30 @@ POLICY_NAMES = ("unbounded", "fixed:N", "dlfp[:name=value...]", "dlfp-paper", "d
 
 
 def with_overrides(params: TailParams, pairs: list[str]) -> TailParams:
-    """`params` with `name=value` pairs applied (value `none`: None; target_ms in ms)."""
-    values: dict = {}
+    """`params` with `name=value` pairs applied (value `none`: None), read as a profile's
+    controller table is (params_from_table: the same names, target_ms in ms)."""
+    if not pairs:
+        return params
+    table = {f.name: getattr(params, f.name) for f in fields(TailParams) if f.name != "target_s"}
+    table["target_ms"] = params.target_s * 1e3
     for pair in pairs:
         name, sep, text = pair.partition("=")
-        if name == "target_ms":
-            name, text = "target_s", str(float(text) / 1e3) if sep else text
-        default = getattr(params, name, ...) if name in {f.name for f in fields(TailParams)} else ...
-        if not sep or default is ...:
-            known = sorted({f.name for f in fields(TailParams)} - {"target_s"} | {"target_ms"})
-            raise ValueError(f"dlfp parameter {pair!r}: name=value with a name of {', '.join(known)}")
-        try:
-            if text.lower() == "none":
-                values[name] = None
-            elif isinstance(default, bool):
-                values[name] = {"true": True, "false": False}[text.lower()]
-            else:
-                values[name] = int(text) if isinstance(default, int) else float(text)
-        except (KeyError, ValueError):
-            raise ValueError(f"dlfp parameter {pair!r}: {text!r} is not a {type(default).__name__}") from None
-    return replace(params, **values)
+        if not sep:
+            raise ValueError(f"dlfp parameter {pair!r}: name=value")
+        table[name] = _typed(pair, text, table[name]) if name in table else text
+    return params_from_table(table)
+
+
+def _typed(pair: str, text: str, like: object) -> object:
+    """`text` as a value of `like`'s type (a float where `like` is None)."""
+    try:
+        if text.lower() == "none":
+            return None
+        if isinstance(like, bool):
+            return {"true": True, "false": False}[text.lower()]
+        return int(text) if isinstance(like, int) else float(text)
+    except (KeyError, ValueError):
+        raise ValueError(f"dlfp parameter {pair!r}: {text!r} is not a {type(like).__name__}") from None
 
 
 def parse_policy(spec: str, defaults: TailParams) -> PrefillPolicy:

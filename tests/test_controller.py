@@ -637,7 +637,7 @@ def test_a_dlfp_arm_may_override_the_tail_parameters_by_name():
     p = parse_policy("dlfp:quantile=0.995:window=64:target_ms=50:zero_cap=false:max_growth=none", defaults).params
     assert (p.quantile, p.window, p.target_s, p.zero_cap, p.max_growth) == (0.995, 64, 0.05, False, None)
     assert parse_policy("dlfp", defaults).params == defaults
-    for bad, says in (("dlfp:nope=1", "name=value"), ("dlfp:window", "name=value"),
+    for bad, says in (("dlfp:nope=1", "unknown controller parameter"), ("dlfp:window", "name=value"),
                       ("dlfp:window=x", "not a int"), ("dlfp:quantile=1.5", "quantile in")):
         with pytest.raises(ValueError, match=says):
             parse_policy(bad, defaults)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import re
-from statistics import median
 from pathlib import Path
+from statistics import median
 from typing import Callable
 
 from dlfp.bench.paired import TARGET_TOLERANCE, goodput_summary, sweep_summary
@@ -301,8 +301,8 @@ def turns(folder: Path, cfg: dict) -> list[str]:
     per-turn medians), against the first arm's in the same seed."""
     rows = [r for r in _rows(folder) if r.get("ttft_by_turn_ms")]
     arms = _arms(rows, cfg)
-    later = {(r["seed"], r["policy"]): median([x for x in r["ttft_by_turn_ms"][1:] if x is not None] or [0.0])
-             for r in rows}
+    later = {(r["seed"], r["policy"]): median(xs) if (xs := [x for x in r["ttft_by_turn_ms"][1:] if x is not None])
+             else None for r in rows}
     out = _header(["seed", "arm", "TTFT turn 1 (ms)", "TTFT turns 2-8 (ms)", f"turns 2-8 vs {arms[0]}"], 2)
     for r in sorted(rows, key=lambda r: (r["seed"], arms.index(r["policy"]))):
         mine, ref = later[(r["seed"], r["policy"])], later.get((r["seed"], arms[0]))
