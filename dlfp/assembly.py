@@ -11,6 +11,8 @@ Every entry point builds its engine here (`dlfp laptop`, `generate`, `serve`,
   the thermal governor gating background prefill and the thread governor running
   the steps on fewer threads while other programs hold cores (where the backend
   can switch: llama.cpp);
+- a `dlfp:` spec may name `preemption_budget_ms=V` among its overrides: that arm's
+  profile with that budget (`arm_profile`), so budgets compare side by side in one run;
 - the observation source is the policy's own (`dlfp` completion, `dlfp-cadence`
   the paper's proxy), applied by the one step observer.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 from dlfp.protocol import Backend
@@ -38,10 +41,34 @@ def is_stock(policy: PrefillPolicy | str) -> bool:
     return isinstance(policy, Unbounded) or (isinstance(policy, str) and policy.strip() == STOCK_POLICY)
 
 
+PROFILE_OVERRIDES = ("preemption_budget_ms",)  # profile fields a `dlfp:` spec may name
+
+
+def arm_profile(spec: str | PrefillPolicy, profile: DeviceProfile) -> tuple[str | PrefillPolicy, DeviceProfile]:
+    """The spec without its profile overrides, and the profile with them
+    (`dlfp:preemption_budget_ms=150:quantile=0.995` -> `dlfp:quantile=0.995`, budget 150 ms)."""
+    if not isinstance(spec, str) or not spec.strip().startswith("dlfp:"):
+        return spec, profile
+    kept, changes = [], {}
+    for pair in spec.strip().split(":")[1:]:
+        name, _, text = pair.partition("=")
+        if name not in PROFILE_OVERRIDES:
+            kept.append(pair)
+            continue
+        try:
+            changes[name] = float(text)
+        except ValueError:
+            raise ValueError(f"dlfp parameter {pair!r}: {text!r} is not a float") from None
+        if changes[name] < 0:
+            raise ValueError(f"dlfp parameter {pair!r}: needs >= 0 (0: no budget)")
+    return ":".join(["dlfp", *kept]), replace(profile, **changes)
+
+
 def make_policy(spec: str | PrefillPolicy, profile: DeviceProfile, itl_target_ms: float | None = None) -> PrefillPolicy:
     """A fresh policy from its name, with the profile's controller parameters."""
     if isinstance(spec, PrefillPolicy):
         return spec
+    spec, profile = arm_profile(spec, profile)
     return parse_policy(spec, profile.controller_params(itl_target_ms))
 
 
@@ -69,6 +96,7 @@ def build_engine(
     thermal governor: it would have nothing to read); `governor=False` runs neither the
     thermal nor the thread governor. `prefix_hold_s`: how long a conversation's cached
     prefix is kept from background requests."""
+    policy, profile = arm_profile(policy, profile)
     pol = make_policy(policy, profile, itl_target_ms)
     _all_threads(backend)
     engine = Engine(backend, pol, engine_config(pol, profile, prefix_hold_s=prefix_hold_s), trace=trace, clock=clock)

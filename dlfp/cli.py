@@ -11,7 +11,8 @@ from dlfp.profiles import load_profile
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 
 POLICY_HELP = ("comma-separated: unbounded, dlfp, dlfp-paper, dlfp-cadence, fixed:N; "
-               "dlfp:name=value[:name=value] overrides a controller parameter for that arm (dlfp:quantile=0.995)")
+               "dlfp:name=value[:name=value] overrides a controller parameter or the preemption budget for that arm "
+               "(dlfp:quantile=0.995, dlfp:preemption_budget_ms=150)")
 HOLD_HELP = ("Seconds after its last turn that a conversation's cached prefix is kept from background requests "
              "(they wait for another slot; 0: no hold, inf: for ever).")
 
@@ -194,7 +195,7 @@ def generate(model, backend, profile, threads, prompt, max_tokens, temperature, 
 
 def _policy_list(spec: str, prof, backend: str = "llamacpp") -> list[str]:
     """Policy names, each checked now: that it parses and that the backend can run it."""
-    from dlfp.controller import parse_policy
+    from dlfp.assembly import make_policy
     from dlfp.targets import get_target
 
     names = [p.strip() for p in spec.split(",") if p.strip()]
@@ -203,7 +204,7 @@ def _policy_list(spec: str, prof, backend: str = "llamacpp") -> list[str]:
     try:
         entry = get_target(backend)
         for name in names:
-            parse_policy(name, prof.controller_params())
+            make_policy(name, prof)
             entry.check_policy(name)
     except ValueError as exc:
         raise UserError(str(exc)) from None

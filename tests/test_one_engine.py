@@ -59,6 +59,17 @@ def test_every_capped_policy_gets_the_budget_and_the_governor(policy):
     assert engine.companions  # the probe sampler starts and stops with the engine
 
 
+def test_a_dlfp_arm_may_name_its_own_preemption_budget():
+    engine = build_engine(sim(), "dlfp:preemption_budget_ms=150:quantile=0.995", LAPTOP, probe_period_s=None,
+                          start=False)
+    assert engine.config.preemption_budget_s == 0.15 and engine.policy.params.quantile == 0.995
+    assert build_engine(sim(), "dlfp:preemption_budget_ms=0", LAPTOP, start=False).preemption is None
+    assert build_engine(sim(), "dlfp", LAPTOP, start=False).config.preemption_budget_s == LAPTOP.preemption_budget_s
+    for bad, says in (("dlfp:preemption_budget_ms=x", "not a float"), ("dlfp:preemption_budget_ms=-1", ">= 0")):
+        with pytest.raises(ValueError, match=says):
+            build_engine(sim(), bad, LAPTOP, start=False)
+
+
 def test_unbounded_is_the_stock_runtime_everywhere():
     engine = build_engine(sim(), "unbounded", LAPTOP, probe_period_s=0.5, start=False)
     assert engine.background_gate is None and engine.preemption is None
