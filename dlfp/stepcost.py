@@ -58,9 +58,8 @@ class StepCostModel:
 
     def scale(self, factor: float) -> None:
         """Every cost times `factor` (the device got that much slower); the rest is kept."""
-        for name in ("base_ms", "seq_ms", "token_ms"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name) * factor)
+        self.base_ms, self.seq_ms, self.token_ms = (None if v is None else v * factor
+                                                    for v in (self.base_ms, self.seq_ms, self.token_ms))
 
     def _clipped(self, old: float | None, sample: float) -> float:  # sample moved at most CLIP-fold
         return sample if old is None else self._mix(old, min(CLIP * old, max(old / CLIP, sample)))

@@ -111,11 +111,9 @@ class TailDLFP(PrefillPolicy):
         return (planned, "model") if self.model.ready else (min(planned, p.initial), "prior")
 
     def margin(self, n_decode: int | None = None) -> float:
-        """The ratio the chunk steps may exceed on as many ITLs as `quantile` leaves after the
-        decode-only steps that ran late: 1 - q of the window's ITLs, less theirs. Over the steps
-        with `n_decode` decodes; where too few chunk steps had them, over all steps, times how far
-        the model errs beside `n_decode` (their median ratio over all steps') once BIAS_SAMPLES
-        measured it; else the prior."""
+        """The ratio chunk steps exceed on 1 - q of the window's ITLs less the late decode-only
+        steps' ones. Over the steps with `n_decode` decodes, else over all steps times their
+        median ratio over all steps' (once BIAS_SAMPLES measured it), else the prior."""
         d = self._decodes if n_decode is None else n_decode
         same = [s for s in self._window if s.decodes == d]
         for steps in (same, self._window):
@@ -160,22 +158,18 @@ class TailDLFP(PrefillPolicy):
         self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept
 
     def device_changed(self, cost_factor: float | None = None) -> None:
-        # What was learned at each speed is kept for a return to it: thread counts flap, and costs
-        # scaled at every change ratcheted (2 -> 1 -> 2 -> 1 threads doubled them twice). A new
-        # speed starts from the costs times the factor (fewer threads: threads rarely scale
-        # perfectly, so this errs safe; more: the old costs, the next steps teach the speed-up)
-        # and a fresh margin window; without a factor, everything afresh.
+        # Each speed's model and window are kept for a return to it (thread counts flap; scaling
+        # at every change ratcheted). A new speed: the costs times the factor (more threads: the
+        # old costs, the next steps teach the speed-up) and a fresh window; no factor: afresh.
+        fresh = deque(maxlen=self.params.window)
         if not (cost_factor and cost_factor > 0):
             self._speeds.clear()
-            self.model, self._window = StepCostModel(self.params.forgetting), deque(maxlen=self.params.window)
+            self.model, self._window = StepCostModel(self.params.forgetting), fresh
         else:
             self._speeds[self._speed] = (self.model, self._window)
             self._speed = round(self._speed * cost_factor, 6)
-            kept = self._speeds.pop(self._speed, None)
-            if kept is not None:
-                self.model, self._window = kept
-            else:  # a speed not seen before
-                old, self._window = self.model, deque(maxlen=self.params.window)
+            old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))
+            if self.model is None:  # a speed not seen before
                 self.model = copy.deepcopy(old) if old.ready else StepCostModel(self.params.forgetting)
                 self.model.scale(max(1.0, cost_factor))
         self.reset()
