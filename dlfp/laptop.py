@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from dlfp.protocol import Backend
-from dlfp.assembly import build_engine, make_policy
+from dlfp.assembly import build_engine
 from dlfp.policy import params_to_dict, PrefillPolicy
 from dlfp.devices.energy import energy_report
 from dlfp.profiles import DeviceProfile
@@ -64,14 +64,14 @@ class Session:
 
 def run_session(
     backend: Backend,
-    policy: PrefillPolicy,
+    policy: str | PrefillPolicy,
     settings: LaptopSettings,
     label: str,
     with_background: bool = True,
     on_progress: Callable[[], None] | None = None,
 ) -> Session:
-    engine = build_engine(backend, policy, settings.profile, probe_period_s=settings.probe_period_s,
-                          prefix_hold_s=settings.prefix_hold_s)
+    engine = build_engine(backend, policy, settings.profile, itl_target_ms=settings.itl_target_ms,
+                          probe_period_s=settings.probe_period_s, prefix_hold_s=settings.prefix_hold_s)
     start = engine.clock()
     cache = settings.cache_prompt and label != DECODE_ONLY  # the reference run is cold
     try:
@@ -202,8 +202,8 @@ def run_laptop(backend: Backend, settings: LaptopSettings, on_progress=None, on_
     for label, spec, with_bg in runs:
         if on_session:
             on_session(label)
-        policy = make_policy(spec, settings.profile, settings.itl_target_ms)
-        sessions.append(run_session(backend, policy, settings, label, with_bg, on_progress))
+        # The spec, not a built policy: build_engine reads what it implies (its budget too).
+        sessions.append(run_session(backend, spec, settings, label, with_bg, on_progress))
         if label == DECODE_ONLY:  # say it now, not after the policy runs
             for note in target_notes(settings.itl_target_ms, _decode_only_ms(sessions[0])):
                 log.warning(note)

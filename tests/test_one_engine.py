@@ -70,6 +70,29 @@ def test_a_dlfp_arm_may_name_its_own_preemption_budget():
             build_engine(sim(), bad, LAPTOP, start=False)
 
 
+def test_the_laptop_job_builds_each_arm_from_its_spec(monkeypatch):
+    """`dlfp laptop --policies dlfp:preemption_budget_ms=150` runs under that budget: each session's
+    engine is built from the arm's spec (a policy built beforehand would lose what the spec says
+    of the profile)."""
+    import dlfp.laptop as laptop
+    from dlfp.trace import Trace
+
+    built = []
+
+    def session(backend, policy, settings, label, *rest):
+        built.append(build_engine(backend, policy, settings.profile, itl_target_ms=settings.itl_target_ms,
+                                  probe_period_s=None, start=False))
+        if len(built) == 2:
+            raise RuntimeError("built")
+        return laptop.Session(label, Trace(0.0), 0.0, 0.0)
+
+    monkeypatch.setattr(laptop, "run_session", session)
+    settings = laptop.LaptopSettings(["dlfp:preemption_budget_ms=150"], 50.0, LAPTOP, None, [], probe_period_s=None)
+    with pytest.raises(RuntimeError, match="built"):
+        laptop.run_laptop(sim(), settings)
+    assert built[1].config.preemption_budget_s == 0.15 and built[1].policy.params.target_s == 0.05
+
+
 def test_unbounded_is_the_stock_runtime_everywhere():
     engine = build_engine(sim(), "unbounded", LAPTOP, probe_period_s=0.5, start=False)
     assert engine.background_gate is None and engine.preemption is None
