@@ -19,6 +19,7 @@ Every entry point builds its engine here (`dlfp laptop`, `generate`, `serve`,
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Callable
@@ -59,8 +60,8 @@ def arm_profile(spec: str | PrefillPolicy, profile: DeviceProfile) -> tuple[str 
             changes[name] = float(text)
         except ValueError:
             raise ValueError(f"dlfp parameter {pair!r}: {text!r} is not a float") from None
-        if changes[name] < 0:
-            raise ValueError(f"dlfp parameter {pair!r}: needs >= 0 (0: no budget)")
+        if not 0 <= changes[name] < math.inf:  # NaN fails too
+            raise ValueError(f"dlfp parameter {pair!r}: needs a finite value >= 0 (0: no budget)")
     return ":".join(["dlfp", *kept]), replace(profile, **changes)
 
 

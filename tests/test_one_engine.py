@@ -65,7 +65,8 @@ def test_a_dlfp_arm_may_name_its_own_preemption_budget():
     assert engine.config.preemption_budget_s == 0.15 and engine.policy.params.quantile == 0.995
     assert build_engine(sim(), "dlfp:preemption_budget_ms=0", LAPTOP, start=False).preemption is None
     assert build_engine(sim(), "dlfp", LAPTOP, start=False).config.preemption_budget_s == LAPTOP.preemption_budget_s
-    for bad, says in (("dlfp:preemption_budget_ms=x", "not a float"), ("dlfp:preemption_budget_ms=-1", ">= 0")):
+    for bad, says in (("dlfp:preemption_budget_ms=x", "not a float"), ("dlfp:preemption_budget_ms=-1", ">= 0"),
+                      ("dlfp:preemption_budget_ms=nan", "finite"), ("dlfp:preemption_budget_ms=inf", "finite")):
         with pytest.raises(ValueError, match=says):
             build_engine(sim(), bad, LAPTOP, start=False)
 
