@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlfp.backends.step_cutter import StepCutter
 from dlfp.protocol import (
     TIMING_SYNC_WALL,
     Backend,
@@ -160,17 +161,32 @@ class LlamaCppBackend(Backend):
             max_batch_tokens=n_batch,
             vocab_size=self.n_vocab,
             prefix_reuse=self._can_keep_prefix(),
+            cut_steps=True,
         )
+        self._cutter = StepCutter(ll, self._ctx)
         self._template = self._chat_template()
         self._max_token_bytes: int | None = None
 
     # -- stepping ----------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
+        return self._decode(plan, None)
+
+    def step_within(self, plan: StepPlan, limit_s: float) -> StepResult:
+        return self._decode(plan, limit_s)
+
+    def _decode(self, plan: StepPlan, limit_s: float | None) -> StepResult:
         validate_plan(plan, self.capabilities)  # llama.cpp asserts (kills the process) on an oversized batch
         outputs = self._batch.fill(plan)
+        if limit_s is not None:
+            self._cutter.arm(limit_s)
         t0 = time.perf_counter()
         rc = self._ll.llama_decode(self._ctx, self._batch.struct)
         t1 = time.perf_counter()
+        if limit_s is not None:
+            self._cutter.disarm()
+        if rc == 2 and limit_s is not None:
+            self._forget(plan)
+            return StepResult(logits={}, duration_s=t1 - t0, cut=True)
         if rc != 0:
             raise BackendError(f"llama_decode returned {rc}" + (" (KV cache full)" if rc == 1 else ""))
         logits = {}
@@ -178,6 +194,13 @@ class LlamaCppBackend(Backend):
             ptr = self._ll.llama_get_logits_ith(self._ctx, row)
             logits[seq_id] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         return StepResult(logits=logits, duration_s=t1 - t0)
+
+    def _forget(self, plan: StepPlan) -> None:
+        """Every cell the cut step wrote: llama.cpp drops only the micro-batch it was computing,
+        and a step split per sequence (kv_unified off) may have finished others."""
+        starts = [(d.seq_id, d.position) for d in plan.decodes] + [(c.seq_id, c.start) for c in plan.prefills]
+        for seq_id, start in starts:
+            self._ll.llama_memory_seq_rm(self._mem, seq_id, start, -1)
 
     def set_threads(self, n: int) -> bool:
         """llama_set_n_threads: decodes and mixed batches alike, from the next llama_decode on."""
@@ -275,6 +298,9 @@ class LlamaCppBackend(Backend):
         }
 
     def close(self) -> None:
+        if getattr(self, "_cutter", None) is not None:
+            self._cutter.close()
+            self._cutter = None
         if self._ctx:
             self._ll.llama_free(self._ctx)
             self._ctx = None

@@ -95,4 +95,5 @@ def make_budget_policy(budget_s: float, initial: int, max_tokens: int) -> Prefil
     for at most about one such step. Never 0, since isolated background prefill must progress.
     """
     initial = max(1, min(initial, max_tokens))
-    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False), name="budget")
+    return TailDLFP(TailParams(budget_s, initial, 1, max_tokens, 1, quantile=0.9, zero_cap=False, cut_at=None),
+                    name="budget")

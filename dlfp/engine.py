@@ -366,10 +366,7 @@ class Engine:
         cap = obs.begin(sched.guarded(), sched.planned_decodes(turn_first), sched.itl_target_s(), turn_first)
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
         step = sched.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed, turn_first=turn_first)
-        self._step_no += 1
-        obs.scheduled(self._step_no, step.guarded, step.cap, step_shape(step),
-                      n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label,
-                      threads=self.backend.threads, n_decode_held=step.n_decode_held)
+        self._schedule(step, gate_label)
         previous, self._in_flight = self._in_flight, None
         if step.plan.is_empty():
             if previous is not None:  # nothing more can be planned before it is back
@@ -378,9 +375,10 @@ class Engine:
                 time.sleep(self.config.idle_wait_s)  # background held back by the governor
             return
         try:
-            pending = self.backend.launch(step.plan) if self.pipelined else None
-            if pending is None:
-                pending = DoneStep(self.backend.step(step.plan))
+            if self.pipelined:
+                pending = self.backend.launch(step.plan)
+            else:
+                step, pending = self._run_now(step, gate_label)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail; the engine goes on
             message = str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
             self._fail_plan(step, message)
@@ -394,6 +392,29 @@ class Engine:
             self._in_flight = (self._step_no, step, pending)
         else:
             self._collect(self._step_no, step, pending)
+
+    def _schedule(self, step: PlannedStep, gate_label: str | None) -> None:
+        self._step_no += 1
+        self.observer.scheduled(self._step_no, step.guarded, step.cap, step_shape(step),
+                                n_prefill_bg=step.n_prefill_bg, bg_cap=step.bg_cap, governor=gate_label,
+                                threads=self.backend.threads, n_decode_held=step.n_decode_held)
+
+    def _run_now(self, step: PlannedStep, gate_label: str | None) -> tuple[PlannedStep, PendingStep]:
+        """Run a step synchronously. A guarded step with prompt tokens still running at its
+        decision's deadline is cut (where the backend can): it is recorded, and its
+        protected decodes run alone, so a slowdown that caught it mid-way (another program
+        starting) costs the streams the deadline plus a decode, not the whole slowed step."""
+        obs = self.observer
+        limit = obs.cut_after_s(step.guarded, step.plan.n_prefill) if self.backend.capabilities.cut_steps else None
+        if limit is None:
+            return step, DoneStep(self.backend.step(step.plan))
+        result = self.backend.step_within(step.plan, limit)
+        if not result.cut:
+            return step, DoneStep(result)
+        obs.completed(self._step_no, result.duration_s, cut=True)
+        step = self.scheduler.plan(obs.after_cut(), 0)  # cap 0: background decodes wait too
+        self._schedule(step, gate_label)
+        return step, DoneStep(self.backend.step(step.plan))
 
     def _set_threads(self, n: int) -> None:
         """Switch the backend's step threads; what the controller learned at the old count is void."""

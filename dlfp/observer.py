@@ -54,6 +54,7 @@ class Stamp:
     threads: int | None = None  # the backend's step threads (None: not under our control)
     n_decode_held: int = 0  # background decodes the cap kept out of the step
     decision: Decision | None = None  # why a guarded step has its cap
+    rerun: bool = False  # the decodes of a step that was cut, alone: its ITLs were the cut step's
 
     @property
     def capped(self) -> bool:
@@ -112,6 +113,20 @@ class StepObserver:
         self.decision = decision
         return decision.cap
 
+    def cut_after_s(self, guarded: bool, n_prefill: int) -> float | None:
+        """How long the step just planned may run before it is cut (None: it runs whole):
+        only a guarded step with prompt tokens, under a decision that names a deadline."""
+        d = self.decision
+        if not guarded or n_prefill == 0 or d is None or d.cut_ms is None:
+            return None
+        return d.cut_ms / 1e3
+
+    def after_cut(self) -> int:
+        """The step just planned was cut: the next runs its protected decodes alone (cap 0)."""
+        d = self.decision
+        self.decision = Decision(0, "cut", d.n_decode if d is not None else None)
+        return 0
+
     def budget_cap(self) -> int | None:
         """The cap for isolated background prefill this step (None: no budget)."""
         return self.budget.cap() if self.budget is not None else None
@@ -121,8 +136,9 @@ class StepObserver:
                   threads: int | None = None, n_decode_held: int = 0) -> Stamp:
         """After planning: the step can start on the device from now. An empty step
         (nothing to run) breaks the cadence chain and is never completed."""
+        rerun = guarded and self.decision is not None and self.decision.rule == "cut"
         stamp = Stamp(self.clock(), guarded, cap, shape, self._epoch, n_prefill_bg, bg_cap, governor, threads,
-                      n_decode_held, self.decision if guarded else None)
+                      n_decode_held, self.decision if guarded else None, rerun)
         if stamp.empty:
             self._prev_call, self._prev_capped = None, False
             return stamp
@@ -144,9 +160,10 @@ class StepObserver:
 
     # -- completion --------------------------------------------------------
     def completed(self, key: Hashable, duration_s: float | None = None,
-                  device_duration_s: float | None = None) -> StepRecord | None:
+                  device_duration_s: float | None = None, cut: bool = False) -> StepRecord | None:
         """The step's output is back. `duration_s`: the completed time where the backend
-        measured it (a synchronous call); otherwise it is taken from the stamps."""
+        measured it (a synchronous call); otherwise it is taken from the stamps. `cut`: the
+        step was cut at its deadline (`cut_after_s`) and nothing of it ran."""
         t_done = self.clock()
         stamp = self._pending.pop(key, None)
         if stamp is None:
@@ -156,27 +173,30 @@ class StepObserver:
         self._prev_done = t_done
         observed = self.last_observed if self.policy.source == CADENCE else None
         current = stamp.epoch == self._epoch
-        if self.policy.source == COMPLETION and stamp.guarded and current:
+        if self.policy.source == COMPLETION and stamp.guarded and current and not stamp.rerun:
             # Decode-only guarded steps too: a cost-learning policy reads the base cost
             # from them (the paper's law ignores steps without prompt tokens).
             observed = latency
-            self.policy.observe(latency, cap=stamp.cap, shape=stamp.shape)
-        if self.budget is not None and stamp.budgeted:
+            # `cut` only where it is so: a policy that issues no deadline need not know the word.
+            self.policy.observe(latency, cap=stamp.cap, shape=stamp.shape, **({"cut": True} if cut else {}))
+        if self.budget is not None and stamp.budgeted and not cut:
             self.budget.observe(latency, cap=stamp.bg_cap, shape=stamp.shape)
-        record = self._record(stamp, start, t_done, latency, observed, device_duration_s)
+        record = self._record(stamp, start, t_done, latency, observed, device_duration_s, cut)
         if self.sink is not None:
             self.sink(record)
         return record
 
     def _record(self, stamp: Stamp, t0: float, t1: float, latency: float, observed: float | None,
-                device_duration_s: float | None) -> StepRecord:
+                device_duration_s: float | None, cut: bool = False) -> StepRecord:
+        ran = 0 if cut else 1  # a cut step's prompt tokens run again later: counted then
         return StepRecord(
             t0=t0,
             t1=t1,
             duration_s=latency,
             n_decode=stamp.shape.n_decode,
-            n_prefill_fg=stamp.shape.n_prefill - stamp.n_prefill_bg,
-            n_prefill_bg=stamp.n_prefill_bg,
+            n_prefill_fg=ran * (stamp.shape.n_prefill - stamp.n_prefill_bg),
+            n_prefill_bg=ran * stamp.n_prefill_bg,
+            n_prefill_cut=(1 - ran) * stamp.shape.n_prefill,
             guarded=stamp.guarded,
             cap=stamp.cap,
             bg_cap=stamp.bg_cap,
@@ -194,7 +214,8 @@ def decision_fields(d: Decision | None) -> dict:
     """The decision record as a step trace row carries it."""
     if d is None:
         return {}
-    return {"rule": d.rule, "predicted_ms": d.predicted_ms, "margin": d.margin, "setpoint_ms": d.setpoint_ms}
+    return {"rule": d.rule, "predicted_ms": d.predicted_ms, "margin": d.margin, "setpoint_ms": d.setpoint_ms,
+            "cut_ms": d.cut_ms}
 
 
 def step_shape(step) -> StepShape:

@@ -75,7 +75,8 @@ class PaperDLFP(PrefillPolicy):
         # The published law has one target, its own: a request's target is not an input of equation (2).
         return Decision(self._cap, self._rule, n_decode, setpoint_ms=self.params.target_s * 1e3)
 
-    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
+    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None,
+                cut: bool = False) -> None:
         if shape is not None and shape.n_prefill == 0:
             return  # a step without prompt tokens says nothing about the cap (equation (2) as published)
         p = self.params

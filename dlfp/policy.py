@@ -61,6 +61,7 @@ RULES = {
     "wait": "a new turn's prompt waits: not even its minimum chunk fits beside the streaming chats, whose targets come first",
     "hold": "not even the minimum chunk fits: background prompt tokens are held out (cap 0)",
     "probe": "a minimum chunk while background is held out, to measure whether it fits again",
+    "cut": "the step before was cut at its deadline: its protected decodes run alone",
 }
 
 
@@ -74,6 +75,7 @@ class Decision:
     predicted_ms: float | None = None  # the cost model's time for the planned step (no margin)
     margin: float | None = None  # measured / predicted quantile the prediction is multiplied by
     setpoint_ms: float | None = None  # target / margin: what the prediction must meet
+    cut_ms: float | None = None  # a step with prompt tokens still running this long is cut (None: never)
 
 
 class PrefillPolicy(ABC):
@@ -102,13 +104,15 @@ class PrefillPolicy(ABC):
     def cap(self, n_decode: int | None = None, target_s: float | None = None) -> int | None:
         return self.decide(n_decode, target_s).cap
 
-    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
+    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None,
+                cut: bool = False) -> None:
         """Latency of a guarded step that has completed.
 
         `cap` is the cap that step was planned with, when the caller knows it and
         it may differ from the current one (a pipelined engine such as vLLM's async
         scheduling plans the next step before this one completes). `shape` says
-        what the step carried, where the caller knows it.
+        what the step carried, where the caller knows it. `cut`: the step was cut at
+        its decision's `cut_ms` (it would have run at least `latency_s`; nothing ran).
         """
 
     def reset(self) -> None:

@@ -71,6 +71,10 @@ class Capabilities:
     # A slot's cache can keep its first n positions and drop the rest (`Backend.keep_prefix`),
     # so a request that shares a prompt prefix with a slot's last one prefills only the rest.
     prefix_reuse: bool = False
+    # A step still running at a deadline can be cut (`Backend.step_within`), every cache left
+    # as it was before the step: a guarded step a slowdown caught mid-way then costs its
+    # decodes' ITL the deadline plus a decode, not the whole slowed step.
+    cut_steps: bool = False
 
     def limits(self) -> Limits:
         return Limits(self.max_sequences, self.context_per_sequence, self.max_batch_tokens)
@@ -159,6 +163,9 @@ class StepResult:
     # Adapters that sample nowhere leave it None; the engine samples from `logits`.
     # Required from a pipelined backend (the next step has already consumed these tokens).
     token_ids: dict[int, int] | None = None
+    # The step was cut at its deadline (`Backend.step_within`): no logits, no cache change;
+    # duration_s is how long it ran.
+    cut: bool = False
 
 
 class PendingStep(ABC):
@@ -203,6 +210,12 @@ class Backend(ABC):
     @abstractmethod
     def step(self, plan: StepPlan) -> StepResult:
         """Run one iteration synchronously and return once the work has completed."""
+
+    def step_within(self, plan: StepPlan, limit_s: float) -> StepResult:
+        """`step`, cut if it is still running `limit_s` after it started: then a result with
+        `cut` set, no logits, and every cache as before the step. Only called where
+        `capabilities.cut_steps` is declared; the default runs the step whole."""
+        return self.step(plan)
 
     # Pipelined (async) mode: the engine launches step k+1 before it waits for step k.
     # A backend that sets `pipelined = True` must queue work in `launch` without waiting

@@ -120,6 +120,7 @@ class SimBackend(Backend):
             max_batch_tokens=max_batch_tokens,
             vocab_size=vocab_size,
             prefix_reuse=prefix_reuse,
+            cut_steps=True,
         )
         self.history: dict[int, list[int]] = {}
         self.plans: list[StepPlan] = []
@@ -139,13 +140,26 @@ class SimBackend(Backend):
         self.steps_run += 1
         return d
 
-    def step(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        d = self.time_step(plan)
+    def step_within(self, plan: StepPlan, limit_s: float) -> StepResult:
+        """A step whose modelled time exceeds `limit_s` is cut there: the time passes, nothing
+        is computed (the replay moves on by one step, as a device's slow moment would)."""
+        d = self.duration(plan)
+        if d <= limit_s:
+            return self.step(plan)
+        self.steps_run += 1
+        self._pass(max(0.0, limit_s))
+        return StepResult(logits={}, duration_s=max(0.0, limit_s), cut=True)
+
+    def _pass(self, d: float) -> None:
         if self.clock is not None:
             self.clock.t += d
         elif self.sleep:
             time.sleep(d)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        d = self.time_step(plan)
+        self._pass(d)
         logits = {}
         for item in plan.decodes:
             self.history.setdefault(item.seq_id, []).append(item.token_id)

@@ -9,7 +9,11 @@ No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one ste
 `probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
 that missed T by more than the margin plans the next at its own ratio ("miss": the window
 learns a sudden slowdown too slowly). Before a prompt token is measured the decode-only
-steps size the chunk ("prior").
+steps size the chunk ("prior"). A step with prompt tokens still running when its decodes,
+run alone, could just end by `cut_at` x T is cut (the engine runs them alone, rule "cut"): a
+late step whose time so far
+is learned as its cost, a bound from below (learned as nothing, a cost that doubled while
+every step was cut at T would stay unlearned, the same chunk planned and cut for good).
 """
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ class TailParams(PaperParams):
     prior_spread: float = 1.5  # the margin until enough steps have been measured
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
     probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
+    # A step with prompt tokens is cut where its decodes, run alone, still end by cut_at x T
+    # (never before T): a reply absorbs one ITL up to ~1.25 T in its own P99 <= 1.1 T. None: never.
+    cut_at: float | None = 1.25
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,7 +50,8 @@ class TailParams(PaperParams):
                                 (self.window >= MARGIN_SAMPLES, f"window >= {MARGIN_SAMPLES} steps", self.window),
                                 (0.5 <= self.forgetting <= 1, "forgetting in [0.5, 1]", self.forgetting),
                                 (self.prior_spread >= 1, "prior_spread >= 1", self.prior_spread),
-                                (self.probe_every >= 1, "probe_every >= 1", self.probe_every)):
+                                (self.probe_every >= 1, "probe_every >= 1", self.probe_every),
+                                (self.cut_at is None or self.cut_at >= 1, "cut_at >= 1 or None", self.cut_at)):
             if not ok:
                 raise ValueError(f"need {need}, got {value}")
 
@@ -96,7 +104,10 @@ class TailDLFP(PrefillPolicy):
             else:
                 self.zero_steps += 1
         predicted = self.model.predict(cap, d) if self.model.plannable else None
-        return Decision(cap, rule, d, predicted, margin, self._target_ms / margin)
+        cut_ms = None
+        if cap and self.params.cut_at:  # its decodes, run alone after the cut, still end by cut_at x T
+            cut_ms = max(self._target_ms, self.params.cut_at * self._target_ms - (self.model.base(d) or 0.0))
+        return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms)
 
     def _plan(self, d: int, margin: float) -> tuple[int, str]:
         """The largest chunk whose prediction times the margin meets T, and the rule that says so."""
@@ -139,7 +150,8 @@ class TailDLFP(PrefillPolicy):
         stale = fresh and (m.seq_measured_at is None or m.n_obs - m.seq_measured_at >= self.params.probe_every)
         return not stale and expected is not None and expected > self._target_ms
 
-    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None) -> None:
+    def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None,
+                cut: bool = False) -> None:
         n = shape.n_prefill if shape is not None else cap
         if latency_s <= 0 or n is None or n < 0:
             return  # nothing to learn from
@@ -148,7 +160,7 @@ class TailDLFP(PrefillPolicy):
         d, ms, itls = self._decodes, latency_s * 1e3, shape.itls if shape is not None else 1
         # A ratio to the prior (no prompt token measured yet) says nothing about the model's error.
         predicted = self.model.predict(n, d) if self.model.ready or n == 0 else None
-        late = ms > self._target_ms
+        late = cut or ms > self._target_ms
         self._missed = ms / predicted if predicted and late else None
         if n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL):
             self._window.append(Measured(d, ms / predicted if n else None, itls, late))

@@ -40,6 +40,8 @@ class StepRecord:
     predicted_ms: float | None = None  # the cost model's time for the planned step
     margin: float | None = None  # measured / predicted quantile applied to the prediction
     setpoint_ms: float | None = None  # target / margin
+    cut_ms: float | None = None  # the decision's deadline for a step with prompt tokens
+    n_prefill_cut: int = 0  # prompt tokens of a step cut at that deadline (none of them ran)
 
     @property
     def capped(self) -> bool:

@@ -2,6 +2,9 @@
 import gzip
 import json
 import math
+from dataclasses import replace
+
+import pytest
 
 from golden_caps import closed_loop
 
@@ -125,7 +128,7 @@ def taught(zero_cap: bool = True, base: float = 20.0, seq: float | None = None, 
 
 
 def test_rule_initial_nothing_learned():
-    assert TailDLFP(CPU).decide(1) == Decision(4, "initial", 1, None, 1.5, 100 / 1.5)
+    assert TailDLFP(CPU).decide(1) == Decision(4, "initial", 1, None, 1.5, 100 / 1.5, cut_ms=125.0)
 
 
 def test_rule_prior_a_pass_and_a_token_cost_a_decode_only_step_each():
@@ -163,3 +166,19 @@ def test_rule_miss_a_step_that_missed_the_target_sizes_the_next_at_its_own_ratio
     assert (d.cap, d.rule, d.margin) == (5, "miss", 2.0)
     c.observe(0.045, cap=5, shape=StepShape(1, 5, 0, 0, n_chunks=1))
     assert c.decide(1).rule == "model"
+
+
+def test_a_decision_with_prompt_tokens_names_its_cut_deadline():
+    # cut_at x the step's target less a decode-only step's predicted time, never under the
+    # target; none for a cap of 0 (nothing to cut) or where cut_at is None.
+    p = TailDLFP(CPU)
+    assert p.decide(1, target_s=0.05).cut_ms == pytest.approx(62.5)  # nothing learned: no base
+    p.observe(0.03, shape=StepShape(n_decode=1))
+    assert p.decide(1, target_s=0.2).cut_ms == pytest.approx(250.0 - 30.0)
+    assert p.decide(1).cut_ms == pytest.approx(100.0)  # 125 - 30 is under T
+    assert TailDLFP(replace(CPU, cut_at=None)).decide(1).cut_ms is None
+    held = TailDLFP(replace(CPU, zero_cap=True, probe_every=10_000))
+    held.observe(0.02, shape=StepShape(n_decode=1))
+    held.observe(0.5, shape=StepShape(n_decode=1, n_prefill=1, n_chunks=1))
+    d = held.decide(1)
+    assert d.cap == 0 and d.cut_ms is None

@@ -276,3 +276,37 @@ def test_the_policy_is_told_which_decodes_are_foreground():
     mixed = [s for s in policy.shapes if s.n_decode > s.n_protected]
     assert mixed and all(s.n_protected == 1 and s.itls == 1 for s in mixed)
     assert all(s.n_protected == 1 for s in policy.shapes)  # one chat: every guarded step ends one ITL
+
+
+def test_a_step_caught_by_a_slowdown_is_cut_and_its_decodes_run_alone():
+    # SIMULATED: every step costs four times as much from step 120 on. Under `dlfp` a guarded
+    # step with prompt tokens still running at T is cut: its prompt tokens are not counted as
+    # run, the next step carries the foreground decode alone (rule "cut", not fed to the
+    # policy), and the output is the same as without cutting (cut_at=None).
+    from dlfp.tail import TailDLFP
+
+    def go(params):
+        clock = VirtualClock()
+        backend = SimBackend(SimCost(), clock=clock)
+        engine = Engine(backend, TailDLFP(params), EngineConfig(preemption_budget_s=0.5), clock=clock.now)
+        engine.step_hooks.append(lambda rec: setattr(backend, "cost_factor", 4.0 if len(engine.trace.steps) >= 120 else 1.0))
+        handles = [engine.submit(Request([1 + k % 997 for k in range(800)], 4, BACKGROUND, request_id=f"bg{i}")) for i in range(2)]
+        handles.append(engine.submit(Request(list(range(3, 40)), 200, FOREGROUND, ignore_eos=True, request_id="fg")))
+        engine.start()
+        records = {h.request_id: h.result(timeout=120) for h in handles}
+        engine.shutdown(abort_pending=False)
+        return engine.trace.steps, records
+
+    params = TailParams(0.1, 4, 1, 256, 1)
+    steps, records = go(params)
+    plain_steps, plain = go(TailParams(0.1, 4, 1, 256, 1, cut_at=None))
+    assert {k: r.output_ids for k, r in records.items()} == {k: r.output_ids for k, r in plain.items()}
+    cuts = [i for i, s in enumerate(steps) if s.n_prefill_cut]
+    assert cuts and not any(s.n_prefill_cut for s in plain_steps)
+    for i in cuts:
+        cut, rerun = steps[i], steps[i + 1]
+        assert cut.n_prefill_fg == cut.n_prefill_bg == 0 and cut.duration_s == pytest.approx(cut.cut_ms / 1e3)
+        assert rerun.rule == "cut" and rerun.n_prefill_fg + rerun.n_prefill_bg == 0 and rerun.observed_s is None
+    ran = sum(s.n_prefill_bg for s in steps)
+    assert ran == sum(s.n_prefill_bg for s in plain_steps)  # every prompt token counted once
+    assert max(itls(records["fg"])) < max(itls(plain["fg"]))

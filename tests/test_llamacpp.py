@@ -135,3 +135,27 @@ def test_prompt_logits_do_not_depend_on_chunking(backend, chunk):
         r = backend.step(StepPlan(prefills=[PrefillChunk(0, ids, start, start + len(ids) == len(prompt))]))
     backend.free_sequence(0)
     assert float(abs(r.logits[0] - whole).max()) == 0.0
+
+
+def test_a_cut_step_leaves_every_cache_as_before(backend):
+    # A guarded step cut at its deadline (here at once) returns no logits and writes no cell:
+    # the decode and the chunk then run again and the outputs are a cut-free run's.
+    assert backend.capabilities.cut_steps
+    p0, doc = list(range(10, 40)), list(range(200, 260))
+    backend.free_sequence(1)
+    ref = greedy(backend, p0, 4)
+    whole = backend.step(StepPlan(prefills=[PrefillChunk(1, doc, 0, True)])).logits[1]
+    backend.free_sequence(1)
+    out = [int(backend.step(StepPlan(prefills=[PrefillChunk(0, p0, 0, True)])).logits[0].argmax())]
+    for i, start in enumerate((0, 20, 40)):
+        plan = StepPlan(decodes=[DecodeItem(0, out[-1], len(p0) + i)],
+                        prefills=[PrefillChunk(1, doc[start:start + 20], start, start == 40)])
+        cut = backend.step_within(plan, 0.0)
+        assert cut.cut and cut.logits == {}
+        r = backend.step_within(plan, 60.0)  # a deadline it meets: the step runs whole
+        assert not r.cut
+        out.append(int(r.logits[0].argmax()))
+    assert out == ref
+    assert (r.logits[1] == whole).all()
+    backend.free_sequence(0)
+    backend.free_sequence(1)
