@@ -22,6 +22,10 @@ What the engine relies on, check by check:
   LOGIT_TOL) and the same greedy tokens, for a next chat turn (prompt + reply + more),
   a shorter prompt, and a prompt that shares nothing; one that does not declare it
   must not claim to keep a prefix;
+- cut_steps: for an adapter that declares it, a step cut at once (`step_within(plan, 0)`)
+  returns `cut` with no logits and leaves every cache as it was: the same step run
+  again, and the greedy tokens after it, are a never-cut run's; one that does not
+  declare it is never asked (the default `step_within` runs the step whole);
 - bad_input: an out-of-range token id, a sequence past its context, an oversized step
   or an unknown slot give BackendError/ValueError, and the backend keeps working.
 """
@@ -229,6 +233,27 @@ def check_prefix_reuse(backend: Backend) -> str | None:
     return f"next turn, shorter prompt, no common prefix: logit gap <= {max(gaps):.1e}; greedy tokens equal"
 
 
+def check_cut_steps(backend: Backend) -> str | None:
+    """A step cut at its deadline writes nothing: run again, it gives the uncut logits."""
+    if not backend.capabilities.cut_steps:
+        return None  # not applicable: the engine never cuts a step of this backend
+    ids = prompt(backend)
+    whole, ref_tokens = reference(backend, ids)
+    half = max(1, len(ids) // 2)
+    prefill(backend, 0, ids[:half])
+    rest = StepPlan(prefills=[PrefillChunk(0, ids[half:], half, True)])
+    cut = backend.step_within(rest, 0.0)
+    expect(cut.cut and not cut.logits, f"step_within(plan, 0) returned cut={cut.cut} with {len(cut.logits)} logits rows")
+    again = backend.step_within(rest, 60.0)  # a deadline it meets: runs whole
+    expect(not again.cut, "a step within a 60 s deadline was cut")
+    tokens = greedy_decode(backend, 0, again.logits[0], len(ids), GREEDY_STEPS)
+    free_all(backend)
+    gap = logit_gap(whole, again.logits[0])
+    expect(gap <= LOGIT_TOL, f"after a cut the step's logits differ by {gap:.2e} of their spread")
+    expect(tokens == ref_tokens, f"greedy tokens after a cut step {tokens} vs never cut {ref_tokens}")
+    return f"a cut step left the cache as before: logit gap {gap:.1e}; {GREEDY_STEPS} greedy tokens equal"
+
+
 def check_completion_timing(backend: Backend) -> str:
     caps = backend.capabilities
     expect(caps.timing in (TIMING_SYNC_WALL, TIMING_OUTPUT_READY, TIMING_DEVICE_EVENT), f"unknown timing kind {caps.timing!r}")
@@ -351,6 +376,7 @@ CHECKS: list[Check] = [
     Check("riding_chunk", check_riding_chunk),
     Check("isolation", check_isolation),
     Check("prefix_reuse", check_prefix_reuse),
+    Check("cut_steps", check_cut_steps),
     Check("completion_timing", check_completion_timing),
     Check("capabilities", check_capabilities),
     Check("bad_input", check_bad_input),

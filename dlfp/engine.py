@@ -412,6 +412,8 @@ class Engine:
         if not result.cut:
             return step, DoneStep(result)
         obs.completed(self._step_no, result.duration_s, cut=True)
+        if self.thread_governor is not None:  # a program that just started is what cuts most steps
+            self._set_threads(self.thread_governor(self.clock()))
         step = self.scheduler.plan(obs.after_cut(), 0)  # cap 0: background decodes wait too
         self._schedule(step, gate_label)
         return step, DoneStep(self.backend.step(step.plan))
