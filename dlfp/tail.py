@@ -9,9 +9,8 @@ No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one ste
 `probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
 that missed T by more than the margin plans the next at its own ratio ("miss": the window
 learns a sudden slowdown too slowly). Before a prompt token is measured the decode-only
-steps size the chunk ("prior"). A step with prompt tokens still running when its decodes,
-run alone, could just end by `cut_at` x T is cut (the engine runs them alone, rule "cut"): a
-late step whose time so far
+steps size the chunk ("prior"). A step with prompt tokens still running at `cut_at` x T is
+cut (the engine runs its protected decodes alone, rule "cut"): a late step whose time so far
 is learned as its cost, a bound from below (learned as nothing, a cost that doubled while
 every step was cut at T would stay unlearned, the same chunk planned and cut for good).
 """
@@ -40,8 +39,9 @@ class TailParams(PaperParams):
     prior_spread: float = 1.5  # the margin until enough steps have been measured
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
     probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
-    # A step with prompt tokens is cut where its decodes, run alone, still end by cut_at x T
-    # (never before T): a reply absorbs one ITL up to ~1.25 T in its own P99 <= 1.1 T. None: never.
+    # A step with prompt tokens still running at cut_at x T is cut (None: never). A reply's own
+    # P99 <= 1.1 T absorbs one ITL up to ~1.25 T, no longer one: such a step has already failed
+    # every reply it ends an ITL of, and a cut there only bounds that ITL.
     cut_at: float | None = 1.25
 
     def __post_init__(self) -> None:
@@ -104,9 +104,7 @@ class TailDLFP(PrefillPolicy):
             else:
                 self.zero_steps += 1
         predicted = self.model.predict(cap, d) if self.model.plannable else None
-        cut_ms = None
-        if cap and self.params.cut_at:  # its decodes, run alone after the cut, still end by cut_at x T
-            cut_ms = max(self._target_ms, self.params.cut_at * self._target_ms - (self.model.base(d) or 0.0))
+        cut_ms = self.params.cut_at * self._target_ms if cap and self.params.cut_at else None
         return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms)
 
     def _plan(self, d: int, margin: float) -> tuple[int, str]:
