@@ -44,6 +44,7 @@ from dlfp.protocol import (
     TIMING_SYNC_WALL,
     Backend,
     BackendError,
+    Capabilities,
     DecodeItem,
     PrefillChunk,
     StepPlan,
@@ -369,14 +370,19 @@ def check_bad_input(backend: Backend) -> str:
 class Check:
     name: str
     run: Callable[[Backend], str | None]  # the detail line; None: not applicable
+    needs: str | None = None  # the declared capability without which the check is skipped
+
+    def applies_to(self, caps: Capabilities) -> bool:
+        """Whether this check tests anything on an adapter that declares `caps`."""
+        return self.needs is None or bool(getattr(caps, self.needs))
 
 
 CHECKS: list[Check] = [
     Check("chunked_prefill", check_chunked_prefill),
-    Check("riding_chunk", check_riding_chunk),
+    Check("riding_chunk", check_riding_chunk, needs="multi_sequence"),
     Check("isolation", check_isolation),
     Check("prefix_reuse", check_prefix_reuse),
-    Check("cut_steps", check_cut_steps),
+    Check("cut_steps", check_cut_steps, needs="cut_steps"),
     Check("completion_timing", check_completion_timing),
     Check("capabilities", check_capabilities),
     Check("bad_input", check_bad_input),
