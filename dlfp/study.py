@@ -63,6 +63,7 @@ def designs(params: TailParams, caps: list[int]) -> dict[str, Callable[[], Prefi
     out["dlfp window=512"] = lambda: TailDLFP(replace(params, window=512))
     out["dlfp forgetting=0.95"] = lambda: TailDLFP(replace(params, forgetting=0.95))
     out["dlfp forgetting=0.8"] = lambda: TailDLFP(replace(params, forgetting=0.8))
+    out["dlfp no-cut"] = lambda: TailDLFP(replace(params, cut_at=None))
     return out
 
 
