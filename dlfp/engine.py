@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep
+from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep, StepResult
 from dlfp.policy import PrefillPolicy
 from dlfp.controller import make_budget_policy
 from dlfp.observer import StepObserver, step_shape
@@ -415,8 +415,24 @@ class Engine:
         if self.thread_governor is not None:  # a program that just started is what cuts most steps
             self._set_threads(self.thread_governor(self.clock()))
         step = self.scheduler.plan(obs.after_cut(), 0)  # cap 0: background decodes wait too
-        self._schedule(step, gate_label)
-        return step, DoneStep(self.backend.step(step.plan))
+        return step, DoneStep(self._rerun_on_one_thread(step, gate_label))
+
+    def _rerun_on_one_thread(self, step: PlannedStep, gate_label: str | None) -> StepResult:
+        """A cut step's decodes, alone on one thread where the governor may switch threads.
+        What runs a step past its deadline is most often a program that has just taken a
+        core, before its load shows in the governor's reading: on every thread the decodes
+        wait at each op for the thread it descheduled (beside a neighbour that had just
+        started, such reruns took 117-296 ms on two threads; a decode-only step on one, about
+        20 ms). The rerun is not observed by the controller, so the thread count it runs on
+        is not the device's: no `device_changed`."""
+        before = self.backend.threads
+        one = self.thread_governor is not None and bool(before and before > 1) and self.backend.set_threads(1)
+        self._schedule(step, gate_label)  # the trace row names the threads it ran on
+        try:
+            return self.backend.step(step.plan)
+        finally:
+            if one:
+                self.backend.set_threads(before)
 
     def _set_threads(self, n: int) -> None:
         """Switch the backend's step threads; what the controller learned at the old count is void."""

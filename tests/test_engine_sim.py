@@ -310,3 +310,43 @@ def test_a_step_caught_by_a_slowdown_is_cut_and_its_decodes_run_alone():
     ran = sum(s.n_prefill_bg for s in steps)
     assert ran == sum(s.n_prefill_bg for s in plain_steps)  # every prompt token counted once
     assert max(itls(records["fg"])) < max(itls(plain["fg"]))
+
+
+class ThreadedSim(SimBackend):
+    """SIMULATED, with a thread count that costs nothing: records what each step ran on."""
+
+    threads = max_threads = 2
+
+    def set_threads(self, n: int) -> bool:
+        self.threads = n
+        return True
+
+    def step(self, plan):
+        self.ran_on = getattr(self, "ran_on", []) + [self.threads]
+        return super().step(plan)
+
+
+def test_a_cut_steps_decodes_rerun_on_one_thread_and_the_threads_come_back():
+    # A governed engine (the governor always wants both threads): the rerun after a cut runs on
+    # one thread, the trace row says so, every other step runs on two, and the controller is
+    # not told of a device change (the rerun is not observed).
+    from dlfp.tail import TailDLFP
+
+    clock = VirtualClock()
+    backend = ThreadedSim(SimCost(), clock=clock)
+    policy = TailDLFP(TailParams(0.1, 4, 1, 256, 1))
+    changes = []
+    policy.device_changed = lambda cost_factor=None: changes.append(cost_factor)
+    engine = Engine(backend, policy, EngineConfig(preemption_budget_s=0.5), clock=clock.now)
+    engine.thread_governor = lambda now: 2
+    engine.step_hooks.append(lambda rec: setattr(backend, "cost_factor", 4.0 if len(engine.trace.steps) >= 120 else 1.0))
+    handles = [engine.submit(Request([1 + k % 997 for k in range(800)], 4, BACKGROUND, request_id=f"bg{i}")) for i in range(2)]
+    handles.append(engine.submit(Request(list(range(3, 40)), 200, FOREGROUND, ignore_eos=True, request_id="fg")))
+    engine.start()
+    assert all(h.result(timeout=120).ok for h in handles)
+    engine.shutdown(abort_pending=False)
+    steps = engine.trace.steps
+    reruns = [i + 1 for i, s in enumerate(steps) if s.n_prefill_cut]
+    assert reruns and all(steps[i].rule == "cut" and steps[i].threads == 1 for i in reruns)
+    assert {s.threads for i, s in enumerate(steps) if i not in reruns} == {2}
+    assert backend.ran_on.count(1) == len(reruns) and backend.threads == 2 and not changes
