@@ -330,3 +330,24 @@ def test_trial_row_splits_phases_around_the_neighbour():
     assert before["itl_max_ms"] == pytest.approx(100.0) and after["itl_max_ms"] == pytest.approx(100.0)
     assert row["neighbour_s"] == pytest.approx([11.9, 13.5])
     assert row["itl_max_ms"] == pytest.approx(400.0) and row["zero_cap_steps"] == 1
+
+
+def test_the_worst_phase_skips_a_phase_without_foreground_itls():
+    # A trial whose chats all ended before the neighbour started has phases with no ITLs: the
+    # worst phase P99 is the others', in the console table and in the docs' tables alike.
+    import io
+
+    from rich.console import Console
+
+    from dlfp.bench.paired import worst_phase_p99
+    from dlfp.bench.table import phases_table
+
+    phase = lambda p99: {"itl_p99_ms": p99, "itl_max_ms": p99, "bg_prefill_tok_s_fg_active": 1.0}
+    rows = [{"seed": 1, "policy": "dlfp", "itl_p99_ms": 90.0,
+             "phases": {"before": phase(97.9), "neighbour": phase(None), "after": phase(None)}},
+            {"seed": 2, "policy": "dlfp", "itl_p99_ms": 95.0,
+             "phases": {"before": phase(80.0), "neighbour": phase(104.6), "after": phase(70.0)}}]
+    assert [worst_phase_p99(r) for r in rows] == [97.9, 104.6]
+    out = io.StringIO()
+    phases_table(rows, Console(file=out, width=200), target_ms=100)
+    assert "worst P99 ITL in any trial and phase 104.6 ms (<= 1.1 T = 110 ms)" in out.getvalue()

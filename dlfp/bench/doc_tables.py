@@ -21,7 +21,7 @@ from pathlib import Path
 from statistics import median
 from typing import Callable
 
-from dlfp.bench.paired import TARGET_TOLERANCE, goodput_summary, sweep_summary
+from dlfp.bench.paired import TARGET_TOLERANCE, goodput_summary, sweep_summary, worst_phase_p99
 from dlfp.runs import load_config
 from dlfp.stats import paired_changes, t_interval
 
@@ -237,7 +237,7 @@ def phases(folder: Path, cfg: dict) -> list[str]:
                              " / ".join(_n(p["bg_prefill_tok_s_fg_active"]) for p in ph)]))
     out.append("")
     for arm in arms:
-        worst = max(p["itl_p99_ms"] for r in rows if r["policy"] == arm for p in r["phases"].values())
+        worst = max(worst_phase_p99(r) for r in rows if r["policy"] == arm)
         out.append(f"- {arm}: worst P99 in any trial and phase {_n(worst)} ms, "
                    f"{'within' if worst <= bound else 'over'} 1.1 T ({_n(bound, 0)} ms).")
     s = sweep_summary(rows, arms, "bg_prefill_tok_s_fg_active", target)
@@ -336,12 +336,6 @@ def slots(folder: Path, cfg: dict) -> list[str]:
     return out
 
 
-def _worst_phase_p99(r: dict) -> float | None:
-    """The highest P99 ITL of a trial's phases (a phase without foreground ITLs has none); the trial's without phases."""
-    values = [p["itl_p99_ms"] for p in (r.get("phases") or {}).values() if p["itl_p99_ms"] is not None]
-    return max(values) if values else r["itl_p99_ms"]
-
-
 def side_by_side(folder: Path, cfg: dict) -> list[str]:
     """One policy from two builds on the same seeds: `folder` (this build) beside `folder`-base (a
     baseline build's run of the same command), per seed: P99 ITL (worst phase where the workload
@@ -360,10 +354,10 @@ def side_by_side(folder: Path, cfg: dict) -> list[str]:
         x, bx = r["bg_prefill_tok_s_fg_active"], b["bg_prefill_tok_s_fg_active"]
         ratio = x / bx if x is not None and bx else None
         ratios += [ratio] if ratio is not None else []
-        worst_p99.append(_worst_phase_p99(r))
+        worst_p99.append(worst_phase_p99(r))
         worst_itl.append(r["itl_max_ms"])
         out.append(_row([r["seed"], r["policy"], f"{_n(b['itl_p99_ms'])} / {_n(r['itl_p99_ms'])}",
-                         f"{_n(_worst_phase_p99(b))} / {_n(_worst_phase_p99(r))}", f"{_n(b['itl_max_ms'])} / {_n(r['itl_max_ms'])}",
+                         f"{_n(worst_phase_p99(b))} / {_n(worst_phase_p99(r))}", f"{_n(b['itl_max_ms'])} / {_n(r['itl_max_ms'])}",
                          f"{_n(bx)} / {_n(x)}" + ("" if ratio is None else f" ({ratio:.2f}x)")]))
     out.append("")
     if target and worst_p99:

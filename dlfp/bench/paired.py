@@ -106,6 +106,12 @@ def _gate(trials: list[dict], metric: dict | None, gate: Gate) -> bool:
 TARGET_TOLERANCE = ITL_GOAL_TOLERANCE
 
 
+def worst_phase_p99(r: dict) -> float | None:
+    """The highest P99 ITL of a trial's phases (a phase without foreground ITLs has none); the trial's without phases."""
+    values = [p["itl_p99_ms"] for p in (r.get("phases") or {}).values() if p["itl_p99_ms"] is not None]
+    return max(values) if values else r["itl_p99_ms"]
+
+
 def sweep_summary(rows: list[dict], arms: list[str], x_metric: str, target_ms: float | None,
                   tolerance: float = TARGET_TOLERANCE) -> dict | None:
     """Where DLFP sits among the fixed caps: P99 ITL (lower) vs prefill throughput (higher).

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from dlfp.bench.paired import HIGHER_IS_BETTER, POINTS
+from dlfp.bench.paired import HIGHER_IS_BETTER, POINTS, worst_phase_p99
 from dlfp.stats import paired_differences, t_interval
 
 TRIAL_COLUMNS = (
@@ -67,7 +67,7 @@ def phases_table(rows: list[dict], console: Console, target_ms: float | None = N
                           _fmt(p["bg_prefill_tok_s_fg_active"]))
     console.print(table)
     for arm in dict.fromkeys(r["policy"] for r in rows):
-        p99s = [p["itl_p99_ms"] for r in rows if r["policy"] == arm for p in r["phases"].values()]
+        p99s = [worst_phase_p99(r) for r in rows if r["policy"] == arm]
         worst = None if None in p99s else max(p99s)
         met = "" if target_ms is None or worst is None else \
             f" ({'<=' if worst <= 1.1 * target_ms else '>'} 1.1 T = {1.1 * target_ms:,.0f} ms)"
