@@ -422,9 +422,9 @@ class Engine:
         What runs a step past its deadline is most often a program that has just taken a
         core, before its load shows in the governor's reading: on every thread the decodes
         wait at each op for the thread it descheduled (beside a neighbour that had just
-        started, such reruns took 117-296 ms on two threads; a decode-only step on one, about
-        20 ms). The rerun is not observed by the controller, so the thread count it runs on
-        is not the device's: no `device_changed`."""
+        started, such reruns took up to 305 ms on two threads; on one, 21-52 ms). The
+        rerun is not observed by the controller, so the thread count it runs on is not the
+        device's: no `device_changed`."""
         before = self.backend.threads
         one = self.thread_governor is not None and bool(before and before > 1) and self.backend.set_threads(1)
         self._schedule(step, gate_label)  # the trace row names the threads it ran on
