@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlfp.backends.llama_log import route_native_logs
 from dlfp.backends.step_cutter import StepCutter
 from dlfp.protocol import (
     TIMING_SYNC_WALL,
@@ -115,9 +116,8 @@ class LlamaCppBackend(Backend):
     def __init__(self, config: LlamaCppConfig):
         path = check_gguf(config.model_path)
         import llama_cpp
-        import llama_cpp._logger
 
-        llama_cpp._logger.set_verbose(config.verbose)
+        route_native_logs(llama_cpp, config.verbose)
         self._ll = ll = llama_cpp
         self.config = config
         self.n_threads = config.n_threads or physical_cores()

@@ -159,3 +159,21 @@ def test_a_cut_step_leaves_every_cache_as_before(backend):
     assert (r.logits[1] == whole).all()
     backend.free_sequence(0)
     backend.free_sequence(1)
+
+
+def test_llama_cpp_logs_at_their_own_level(backend, capfd):
+    # The warning llama.cpp logs for a cut step stays quiet unless verbose, while an error
+    # still prints (llama-cpp-python 0.3.36 read ggml's levels from an older enum: warnings
+    # printed as errors and errors were hidden).
+    from dlfp.backends.llama_log import NATIVE_LOG
+
+    plan = StepPlan(prefills=[PrefillChunk(1, list(range(200, 240)), 0, False)])
+    capfd.readouterr()
+    assert backend.step_within(plan, 0.0).cut
+    assert "removing memory module entries" not in capfd.readouterr().err
+    NATIVE_LOG(4, b"an error line\n")
+    NATIVE_LOG(5, b"its continuation\n")
+    NATIVE_LOG(3, b"a warning line\n")
+    err = capfd.readouterr().err
+    assert "an error line" in err and "its continuation" in err and "a warning line" not in err
+    backend.free_sequence(1)
