@@ -163,8 +163,8 @@ def check_chunked_prefill(backend: Backend) -> str:
 
 def check_riding_chunk(backend: Backend) -> str | None:
     caps = backend.capabilities
-    if not caps.multi_sequence or caps.max_sequences < 2:
-        return None  # not applicable: the capabilities check covers the refusal
+    if caps.max_sequences < 2:
+        return None  # not applicable: one slot has nothing to ride beside
     ids, other = prompt(backend), prompt(backend, variant=1)
     _, ref_tokens = reference(backend, ids)
     size = max(1, min(8, caps.max_batch_tokens - 1, len(other) // GREEDY_STEPS))
@@ -236,8 +236,6 @@ def check_prefix_reuse(backend: Backend) -> str | None:
 
 def check_cut_steps(backend: Backend) -> str | None:
     """A step cut at its deadline writes nothing: run again, it gives the uncut logits."""
-    if not backend.capabilities.cut_steps:
-        return None  # not applicable: the engine never cuts a step of this backend
     ids = prompt(backend)
     whole, ref_tokens = reference(backend, ids)
     half = max(1, len(ids) // 2)
@@ -370,7 +368,9 @@ def check_bad_input(backend: Backend) -> str:
 class Check:
     name: str
     run: Callable[[Backend], str | None]  # the detail line; None: not applicable
-    needs: str | None = None  # the declared capability without which the check is skipped
+    # The declared capability without which the check is skipped, not run (multi_sequence=False:
+    # the capabilities check covers the refusal; no cut_steps: the engine never cuts a step).
+    needs: str | None = None
 
     def applies_to(self, caps: Capabilities) -> bool:
         """Whether this check tests anything on an adapter that declares `caps`."""
@@ -391,6 +391,8 @@ CHECKS: list[Check] = [
 
 def run_check(check: Check, backend: Backend) -> CheckResult:
     """One check; a failed expectation is a fail, any other exception too (with its type)."""
+    if not check.applies_to(backend.capabilities):
+        return CheckResult(check.name, SKIP, "not applicable to the declared capabilities")
     try:
         detail = check.run(backend)
     except CheckFailed as exc:
