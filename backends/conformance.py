@@ -24,8 +24,8 @@ What the engine relies on, check by check:
   must not claim to keep a prefix;
 - cut_steps: for an adapter that declares it, a step cut at once (`step_within(plan, 0)`)
   returns `cut` with no logits and leaves every cache as it was: the same step run
-  again, and the greedy tokens after it, are a never-cut run's; one that does not
-  declare it is never asked (the default `step_within` runs the step whole);
+  again, and the greedy tokens after it, are a never-cut run's, and a `cut_step()` made
+  while no step runs does not cut the next one; one that does not declare it is never asked (the default `step_within` runs the step whole);
 - bad_input: an out-of-range token id, a sequence past its context, an oversized step
   or an unknown slot give BackendError/ValueError, and the backend keeps working.
 """
@@ -243,8 +243,9 @@ def check_cut_steps(backend: Backend) -> str | None:
     rest = StepPlan(prefills=[PrefillChunk(0, ids[half:], half, True)])
     cut = backend.step_within(rest, 0.0)
     expect(cut.cut and not cut.logits, f"step_within(plan, 0) returned cut={cut.cut} with {len(cut.logits)} logits rows")
+    backend.cut_step()  # no step under step_within: must not reach the next one
     again = backend.step_within(rest, 60.0)  # a deadline it meets: runs whole
-    expect(not again.cut, "a step within a 60 s deadline was cut")
+    expect(not again.cut, "a step within a 60 s deadline was cut (or a cut_step() before it reached it)")
     tokens = greedy_decode(backend, 0, again.logits[0], len(ids), GREEDY_STEPS)
     free_all(backend)
     gap = logit_gap(whole, again.logits[0])

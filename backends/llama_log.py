@@ -3,8 +3,10 @@
 llama-cpp-python 0.3.36 maps ggml's log levels from an older enum: llama.cpp's warnings
 print as errors and its errors are hidden (as debug). Among the warnings is the line
 llama.cpp logs for every step the engine cuts ("removing memory module entries"), a
-step that the trace records anyway. This callback reads ggml.h's enum as it is now and
-prints errors only unless verbose, as llama-cpp-python means to.
+step that the trace records anyway; a step cut mid-graph also logs errors ("failed to
+compute graph"), which while a cut is in effect are the cut's and print as warnings. This
+callback reads ggml.h's enum as it is now and prints errors only unless verbose, as
+llama-cpp-python means to.
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ class NativeLog:
     def __init__(self) -> None:
         self.threshold = logging.ERROR
         self._last = logging.ERROR
+        self.cutting = False  # a step is being cut (backends/step_cutter.py): its errors are the cut's
 
     def __call__(self, level: int, text: bytes | None, user_data: object = None) -> None:
-        self._last = lvl = self._last if level == GGML_CONT else GGML_LEVELS.get(level, logging.ERROR)
+        lvl = self._last if level == GGML_CONT else GGML_LEVELS.get(level, logging.ERROR)
+        self._last = lvl = min(lvl, logging.WARNING) if self.cutting else lvl
         if lvl >= self.threshold and text:
             sys.stderr.write(text.decode("utf-8", "replace"))
             sys.stderr.flush()

@@ -171,20 +171,23 @@ class LlamaCppBackend(Backend):
     def step(self, plan: StepPlan) -> StepResult:
         return self._decode(plan, None)
 
-    def step_within(self, plan: StepPlan, limit_s: float) -> StepResult:
-        return self._decode(plan, limit_s)
+    def step_within(self, plan: StepPlan, limit_s: float | None) -> StepResult:
+        return self._decode(plan, limit_s, cuttable=True)
 
-    def _decode(self, plan: StepPlan, limit_s: float | None) -> StepResult:
+    def cut_step(self) -> None:
+        self._cutter.cut()
+
+    def _decode(self, plan: StepPlan, limit_s: float | None, cuttable: bool = False) -> StepResult:
         validate_plan(plan, self.capabilities)  # llama.cpp asserts (kills the process) on an oversized batch
         outputs = self._batch.fill(plan)
-        if limit_s is not None:
+        if cuttable:
             self._cutter.arm(limit_s)
         t0 = time.perf_counter()
         rc = self._ll.llama_decode(self._ctx, self._batch.struct)
         t1 = time.perf_counter()
-        if limit_s is not None:
+        if cuttable:
             self._cutter.disarm()
-        if rc == 2 and limit_s is not None:
+        if rc == 2 and cuttable:
             self._forget(plan)
             return StepResult(logits={}, duration_s=t1 - t0, cut=True)
         if rc != 0:

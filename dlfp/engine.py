@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep, StepResult
+from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep, StepPlan, StepResult
 from dlfp.policy import PrefillPolicy
 from dlfp.controller import make_budget_policy
 from dlfp.observer import StepObserver, step_shape
@@ -170,6 +170,7 @@ class Engine:
         self._rngs: dict[str, np.random.Generator] = {}
         self._inbox: list[tuple[str, object]] = []
         self._wake = threading.Condition()
+        self._background_running = False  # a background step a new turn may cut is on the device
         self._stop = False
         self._thread: threading.Thread | None = None
         self._step_no = 0
@@ -226,6 +227,9 @@ class Engine:
                 self._handles[request.request_id] = handle
                 self._inbox.append(("submit", (Sequence(request, arrival_s=now), rng)))
                 self._wake.notify()
+                if self._background_running and request.priority in self.config.protect:
+                    self.backend.cut_step()  # a new turn does not wait for the documents' step
+                    self._background_running = False
         except ValueError as exc:
             seq = Sequence(request, arrival_s=now)
             seq.finish_reason, seq.error, seq.finished_s = FinishReason.ERROR, str(exc), now
@@ -405,6 +409,8 @@ class Engine:
         protected decodes run alone, so a slowdown that caught it mid-way (another program
         starting) costs the streams the deadline plus a decode, not the whole slowed step."""
         obs = self.observer
+        if self._preemptible(step):
+            return self._run_preemptible(step)
         limit = obs.cut_after_s(step.guarded, step.plan.n_prefill) if self.backend.capabilities.cut_steps else None
         if limit is None:
             return step, DoneStep(self.backend.step(step.plan))
@@ -416,6 +422,30 @@ class Engine:
             self._set_threads(self.thread_governor(self.clock()))
         step = self.scheduler.plan(obs.after_cut(), 0)  # cap 0: background decodes wait too
         return step, DoneStep(self._rerun_on_one_thread(step, gate_label))
+
+    def _preemptible(self, step: PlannedStep) -> bool:
+        """Background prompt tokens alone, under a preemption budget (which bounds what a new
+        turn waits), on a backend that can cut a step: a foreground arrival cuts it."""
+        return (self.backend.capabilities.cut_steps and step.bg_cap is not None and not step.guarded
+                and step.n_prefill_bg > 0 and step.n_prefill_fg == 0)
+
+    def _run_preemptible(self, step: PlannedStep) -> tuple[PlannedStep, PendingStep]:
+        """A background step that a foreground request's arrival cuts (`submit`): the new turn
+        then loads at once instead of a budget's step later, and the chunk, none of which ran,
+        is planned again. (One arriving between this loop's intake and the flag waits for the
+        step, as where the backend cannot cut.)"""
+        with self._wake:
+            self._background_running = True
+        try:
+            result = self.backend.step_within(step.plan, None)
+        finally:
+            with self._wake:
+                self._background_running = False
+        if not result.cut:
+            return step, DoneStep(result)
+        self.observer.completed(self._step_no, result.duration_s, cut=True)
+        nothing = PlannedStep(StepPlan(), guarded=False, cap=None, bg_cap=None, n_prefill_fg=0, n_prefill_bg=0)
+        return nothing, DoneStep(StepResult(logits={}, duration_s=0.0))
 
     def _rerun_on_one_thread(self, step: PlannedStep, gate_label: str | None) -> StepResult:
         """A cut step's decodes, alone on one thread where the governor may switch threads.

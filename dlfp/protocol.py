@@ -71,9 +71,10 @@ class Capabilities:
     # A slot's cache can keep its first n positions and drop the rest (`Backend.keep_prefix`),
     # so a request that shares a prompt prefix with a slot's last one prefills only the rest.
     prefix_reuse: bool = False
-    # A step still running at a deadline can be cut (`Backend.step_within`), every cache left
-    # as it was before the step: a guarded step a slowdown caught mid-way then costs its
-    # decodes' ITL the deadline plus a decode, not the whole slowed step.
+    # A step still running at a deadline, or when asked from another thread, can be cut
+    # (`Backend.step_within`, `Backend.cut_step`), every cache left as it was before the step:
+    # a guarded step a slowdown caught mid-way then costs its decodes' ITL the deadline plus
+    # a decode, not the whole slowed step, and a new turn does not wait for a background one.
     cut_steps: bool = False
 
     def limits(self) -> Limits:
@@ -211,11 +212,17 @@ class Backend(ABC):
     def step(self, plan: StepPlan) -> StepResult:
         """Run one iteration synchronously and return once the work has completed."""
 
-    def step_within(self, plan: StepPlan, limit_s: float) -> StepResult:
-        """`step`, cut if it is still running `limit_s` after it started: then a result with
-        `cut` set, no logits, and every cache as before the step. Only called where
-        `capabilities.cut_steps` is declared; the default runs the step whole."""
+    def step_within(self, plan: StepPlan, limit_s: float | None) -> StepResult:
+        """`step`, cut if it is still running `limit_s` after it started (None: no deadline)
+        or once `cut_step` is called: then a result with `cut` set, no logits, and every cache
+        as before the step. Only called where `capabilities.cut_steps` is declared; the
+        default runs the step whole."""
         return self.step(plan)
+
+    def cut_step(self) -> None:
+        """Cut the step running now under `step_within`, from any thread (a foreground prompt
+        arrived behind a background step); nothing where no such step runs. Declared with
+        `capabilities.cut_steps`."""
 
     # Pipelined (async) mode: the engine launches step k+1 before it waits for step k.
     # A backend that sets `pipelined = True` must queue work in `launch` without waiting

@@ -14,6 +14,7 @@ shift mid-run).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,7 @@ class SimBackend(Backend):
         )
         self.history: dict[int, list[int]] = {}
         self.plans: list[StepPlan] = []
+        self._cut, self._cut_lock, self._cuttable = threading.Event(), threading.Lock(), False
 
     def duration(self, plan: StepPlan) -> float:
         """The model's step time, times the cost factor and the replayed noise of this step."""
@@ -140,26 +142,46 @@ class SimBackend(Backend):
         self.steps_run += 1
         return d
 
-    def step_within(self, plan: StepPlan, limit_s: float) -> StepResult:
+    def step_within(self, plan: StepPlan, limit_s: float | None) -> StepResult:
         """A step whose modelled time exceeds `limit_s` is cut there: the time passes, nothing
-        is computed (the replay moves on by one step, as a device's slow moment would)."""
+        is computed (the replay moves on by one step, as a device's slow moment would). A
+        sleeping simulation's step is also cut by `cut_step`: its sleep ends then."""
         d = self.duration(plan)
-        if d <= limit_s:
-            return self.step(plan)
         self.steps_run += 1
-        self._pass(max(0.0, limit_s))
-        return StepResult(logits={}, duration_s=max(0.0, limit_s), cut=True)
+        ran = self._pass(d if limit_s is None else min(d, max(0.0, limit_s)), cuttable=True)
+        if ran < d:
+            return StepResult(logits={}, duration_s=ran, cut=True)
+        return self._compute(plan, d)
 
-    def _pass(self, d: float) -> None:
+    def cut_step(self) -> None:
+        with self._cut_lock:
+            if self._cuttable:
+                self._cut.set()
+
+    def _pass(self, d: float, cuttable: bool = False) -> float:
+        """Spend `d` of the clock; returns what was spent (less where `cut_step` ended a sleep)."""
         if self.clock is not None:
             self.clock.t += d
+        elif self.sleep and cuttable:
+            with self._cut_lock:
+                self._cuttable = True
+                self._cut.clear()
+            t0 = time.perf_counter()
+            cut = self._cut.wait(d)
+            with self._cut_lock:
+                self._cuttable = False
+            return time.perf_counter() - t0 if cut else d
         elif self.sleep:
             time.sleep(d)
+        return d
 
     def step(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
         d = self.time_step(plan)
         self._pass(d)
+        return self._compute(plan, d)
+
+    def _compute(self, plan: StepPlan, d: float) -> StepResult:
+        self.plans.append(plan)
         logits = {}
         for item in plan.decodes:
             self.history.setdefault(item.seq_id, []).append(item.token_id)

@@ -157,9 +157,11 @@ def _read(path: Path, record: type) -> list:
 
 def control_counts(steps: list[StepRecord], max_threads: int | None) -> dict:
     """How often the runtime's controls acted: guarded steps kept free of background
-    prompt tokens (a cap of 0), and steps run on fewer than the backend's `max_threads`."""
+    prompt tokens (a cap of 0), background steps a foreground arrival cut, and steps run
+    on fewer than the backend's `max_threads`."""
     return {
         "zero_cap_steps": sum(1 for s in steps if s.guarded and s.cap == 0),
+        "bg_steps_cut": sum(1 for s in steps if not s.guarded and s.n_prefill_cut > 0),
         "reduced_thread_steps": sum(1 for s in steps if None not in (s.threads, max_threads) and s.threads < max_threads),
     }
 

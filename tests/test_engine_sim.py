@@ -350,3 +350,40 @@ def test_a_cut_steps_decodes_rerun_on_one_thread_and_the_threads_come_back():
     assert reruns and all(steps[i].rule == "cut" and steps[i].threads == 1 for i in reruns)
     assert {s.threads for i, s in enumerate(steps) if i not in reruns} == {2}
     assert backend.ran_on.count(1) == len(reruns) and backend.threads == 2 and not changes
+
+
+def test_a_new_turn_cuts_the_background_step_it_arrives_behind():
+    # SIMULATED, on the wall clock (the sim sleeps): a background step of ~0.4 s (budget 0.5 s)
+    # is running when a foreground request arrives. Under a budget the arrival cuts it: the
+    # trace has the background step cut (none of its prompt tokens counted as run), the
+    # foreground's first token comes well before the step would have ended, and the
+    # documents' tokens are all run once. Without a budget (llama.cpp's server) nothing is cut.
+    import threading
+    import time as wall
+
+    def go(budget):
+        backend = SimBackend(SimCost(base_s=0.005, decode_s=0.001, prefill_token_s=0.002), sleep=True)
+        engine = Engine(backend, FixedCap(8), EngineConfig(preemption_budget_s=budget, preemption_initial=200)).start()
+        bg = engine.submit(Request([1 + k % 997 for k in range(1000)], 2, BACKGROUND, request_id="bg"))
+        started = threading.Event()
+        engine.step_hooks.append(lambda rec: started.set())
+        assert started.wait(10)  # one background step done: the next one is running
+        wall.sleep(0.05)
+        t0 = wall.perf_counter()
+        fg = engine.submit(Request(list(range(3, 20)), 2, FOREGROUND, ignore_eos=True, request_id="fg"))
+        first = fg.result(timeout=30)
+        waited = first.token_times[0] - first.arrival_s
+        bg_record = bg.result(timeout=30)
+        engine.shutdown(abort_pending=False)
+        assert first.ok and bg_record.ok and wall.perf_counter() - t0 < 30
+        return engine.trace.steps, waited
+
+    steps, waited = go(0.5)
+    cut = [s for s in steps if not s.guarded and s.n_prefill_cut]
+    assert len(cut) == 1 and cut[0].n_prefill_bg == 0 and cut[0].duration_s < 0.3
+    assert waited < 0.3  # the step it arrived behind had ~0.35 s left
+    assert sum(s.n_prefill_bg for s in steps) == 1000  # the cut chunk ran again, once
+    from dlfp.trace import control_counts
+    assert control_counts(steps, None)["bg_steps_cut"] == 1
+    plain, waited_plain = go(None)
+    assert not any(s.n_prefill_cut for s in plain) and waited_plain > waited

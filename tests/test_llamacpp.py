@@ -161,6 +161,39 @@ def test_a_cut_step_leaves_every_cache_as_before(backend):
     backend.free_sequence(1)
 
 
+def test_a_step_is_cut_from_another_thread_and_a_stray_cut_touches_nothing(backend, capfd):
+    # A new turn cuts the background step in flight from the thread that submits it
+    # (`cut_step`): the step ends with no logits and no cell written, quietly (a step cut
+    # mid-graph logs llama.cpp errors, which are the cut's). A `cut_step` with no step under
+    # `step_within` must not reach the next step.
+    import threading
+
+    doc = list(range(100, 228))
+    plan = StepPlan(prefills=[PrefillChunk(1, doc, 0, True)])
+    backend.free_sequence(1)
+    whole = backend.step(plan).logits[1]
+    backend.free_sequence(1)
+    backend.cut_step()  # nothing armed
+    assert (backend.step(plan).logits[1] == whole).all()
+    backend.free_sequence(1)
+
+    def cut_when_armed():
+        while not backend._cutter._armed:
+            pass
+        backend.cut_step()
+
+    capfd.readouterr()
+    cutter = threading.Thread(target=cut_when_armed)
+    cutter.start()
+    cut = backend.step_within(plan, None)
+    cutter.join()
+    assert cut.cut and cut.logits == {}
+    assert capfd.readouterr().err == ""
+    again = backend.step_within(plan, None)  # nothing cuts it: the step runs whole
+    assert not again.cut and (again.logits[1] == whole).all()
+    backend.free_sequence(1)
+
+
 def test_llama_cpp_logs_at_their_own_level(backend, capfd):
     # The warning llama.cpp logs for a cut step stays quiet unless verbose, while an error
     # still prints (llama-cpp-python 0.3.36 read ggml's levels from an older enum: warnings
