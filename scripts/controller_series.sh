@@ -29,6 +29,7 @@ declare -A ARGS=(
   [t50]="--workload laptop --itl-target-ms 50"
   [nn]="--workload noisy-neighbour"
   [li]="--workload low-interference"
+  [mt]="--workload multi-turn-ingest"
 )
 
 one() {  # python build-dir out cond
