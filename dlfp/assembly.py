@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Callable
 
 from dlfp.protocol import Backend
+from dlfp.contention import ContentionWatch
 from dlfp.controller import parse_policy
 from dlfp.policy import PrefillPolicy, Unbounded
 from dlfp.profiles import DeviceProfile
@@ -111,6 +112,8 @@ def build_engine(
             engine.background_gate = ThermalGovernor.for_profile(profile, source=sampler.latest)
     if governor and not is_stock(pol):
         engine.thread_governor = _thread_governor(engine, backend)
+        if engine.thread_governor is not None:
+            engine.contention_watch = _contention_watch(engine, backend)
     return engine.start() if start else engine
 
 
@@ -140,6 +143,22 @@ def _thread_governor(engine: Engine, backend: Backend):
     watch = LoadWatch(period_s=READ_S)
     engine.companions.append(watch)
     return ThreadGovernor(watch.read, backend.max_threads, poll_s=0.0)  # two /proc reads a step
+
+
+def _contention_watch(engine: Engine, backend: Backend):
+    """Cuts a guarded step on several threads once another program slows it, where the backend
+    can cut a step and the kernel reports CPU pressure (dlfp/contention.py)."""
+    if not backend.capabilities.cut_steps:
+        return None
+    from dlfp.devices.pressure import cpu_stall_reader
+
+    stalled = cpu_stall_reader()
+    if stalled is None:
+        log.info("no CPU pressure counter (/proc/pressure/cpu): steps are cut at their deadline only")
+        return None
+    watch = ContentionWatch(stalled, backend.cut_step)
+    engine.companions.append(watch)
+    return watch
 
 
 def _sampler(engine: Engine, period_s: float | None):

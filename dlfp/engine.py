@@ -38,8 +38,10 @@ import numpy as np
 
 from dlfp.protocol import Backend, BackendError, DoneStep, PendingStep, StepPlan, StepResult
 from dlfp.policy import PrefillPolicy
+from dlfp.contention import ContentionWatch
 from dlfp.controller import make_budget_policy
 from dlfp.observer import StepObserver, step_shape
+from dlfp.trace import ARRIVAL, CONTENTION, DEADLINE
 from dlfp.prefix_cache import DEFAULT_HOLD_S
 from dlfp.sampling import sample
 from dlfp.scheduler import DEFAULT_TTFT_GOAL_S, PlannedStep, Scheduler
@@ -182,6 +184,8 @@ class Engine:
         self.background_gate: Callable[[float], tuple[bool, str | None]] | None = None
         # Thread governor hook: threads(now) -> threads the next step should use (backend.set_threads).
         self.thread_governor: Callable[[float], int] | None = None
+        # Cuts a guarded step on several threads that another program starts to slow (a companion too).
+        self.contention_watch: ContentionWatch | None = None
         self.companions: list = []  # started and stopped with the engine (probe sampler)
 
     @property
@@ -414,10 +418,17 @@ class Engine:
         limit = obs.cut_after_s(step.guarded, step.plan.n_prefill) if self.backend.capabilities.cut_steps else None
         if limit is None:
             return step, DoneStep(self.backend.step(step.plan))
-        result = self.backend.step_within(step.plan, limit)
+        watch = self.contention_watch if (self.backend.threads or 1) > 1 else None
+        if watch is not None:
+            watch.arm()
+        try:
+            result = self.backend.step_within(step.plan, limit)
+        finally:
+            if watch is not None:
+                watch.disarm()
         if not result.cut:
             return step, DoneStep(result)
-        obs.completed(self._step_no, result.duration_s, cut=True)
+        obs.completed(self._step_no, result.duration_s, cut=CONTENTION if watch is not None and watch.fired else DEADLINE)
         if self.thread_governor is not None:  # a program that just started is what cuts most steps
             self._set_threads(self.thread_governor(self.clock()))
         step = self.scheduler.plan(obs.after_cut(), 0)  # cap 0: background decodes wait too
@@ -443,7 +454,7 @@ class Engine:
                 self._background_running = False
         if not result.cut:
             return step, DoneStep(result)
-        self.observer.completed(self._step_no, result.duration_s, cut=True)
+        self.observer.completed(self._step_no, result.duration_s, cut=ARRIVAL)
         nothing = PlannedStep(StepPlan(), guarded=False, cap=None, bg_cap=None, n_prefill_fg=0, n_prefill_bg=0)
         return nothing, DoneStep(StepResult(logits={}, duration_s=0.0))
 

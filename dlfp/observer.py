@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Hashable
 
 from dlfp.policy import CADENCE, COMPLETION, Decision, PrefillPolicy, StepShape
-from dlfp.trace import StepRecord, is_capped
+from dlfp.trace import CONTENTION, StepRecord, is_capped
 
 # Stamps kept for steps whose output never came back (aborted engine): a bound, not a queue size.
 MAX_PENDING = 16
@@ -160,10 +160,13 @@ class StepObserver:
 
     # -- completion --------------------------------------------------------
     def completed(self, key: Hashable, duration_s: float | None = None,
-                  device_duration_s: float | None = None, cut: bool = False) -> StepRecord | None:
+                  device_duration_s: float | None = None, cut: str | None = None) -> StepRecord | None:
         """The step's output is back. `duration_s`: the completed time where the backend
-        measured it (a synchronous call); otherwise it is taken from the stamps. `cut`: the
-        step was cut at its deadline (`cut_after_s`) and nothing of it ran."""
+        measured it (a synchronous call); otherwise it is taken from the stamps. `cut`: why
+        the step was cut (dlfp.trace: DEADLINE, CONTENTION, ARRIVAL); nothing of it ran.
+        The policy learns from a step cut at its deadline (its time so far, a bound from
+        below); not from one cut for contention, whose time says nothing of the threads
+        the next steps run on."""
         t_done = self.clock()
         stamp = self._pending.pop(key, None)
         if stamp is None:
@@ -173,7 +176,7 @@ class StepObserver:
         self._prev_done = t_done
         observed = self.last_observed if self.policy.source == CADENCE else None
         current = stamp.epoch == self._epoch
-        if self.policy.source == COMPLETION and stamp.guarded and current and not stamp.rerun:
+        if self.policy.source == COMPLETION and stamp.guarded and current and not stamp.rerun and cut != CONTENTION:
             # Decode-only guarded steps too: a cost-learning policy reads the base cost
             # from them (the paper's law ignores steps without prompt tokens).
             observed = latency
@@ -187,7 +190,7 @@ class StepObserver:
         return record
 
     def _record(self, stamp: Stamp, t0: float, t1: float, latency: float, observed: float | None,
-                device_duration_s: float | None, cut: bool = False) -> StepRecord:
+                device_duration_s: float | None, cut: str | None = None) -> StepRecord:
         ran = 0 if cut else 1  # a cut step's prompt tokens run again later: counted then
         return StepRecord(
             t0=t0,
@@ -197,6 +200,7 @@ class StepObserver:
             n_prefill_fg=ran * (stamp.shape.n_prefill - stamp.n_prefill_bg),
             n_prefill_bg=ran * stamp.n_prefill_bg,
             n_prefill_cut=(1 - ran) * stamp.shape.n_prefill,
+            cut_by=cut,
             guarded=stamp.guarded,
             cap=stamp.cap,
             bg_cap=stamp.bg_cap,

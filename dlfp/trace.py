@@ -12,6 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+# Why a step was cut (StepRecord.cut_by).
+DEADLINE = "deadline"  # a guarded step still running at its decision's deadline
+CONTENTION = "contention"  # a guarded step on several threads that another program started to slow
+ARRIVAL = "arrival"  # a background step a foreground request arrived behind
+
+
 def is_capped(guarded: bool, cap: int | None, n_prefill: int) -> bool:
     """The policy's cap governed a step: a protected sequence decoded, a cap was in
     force and prompt tokens joined. The steps a policy observes; decided here only."""
@@ -41,7 +47,8 @@ class StepRecord:
     margin: float | None = None  # measured / predicted quantile applied to the prediction
     setpoint_ms: float | None = None  # target / margin
     cut_ms: float | None = None  # the decision's deadline for a step with prompt tokens
-    n_prefill_cut: int = 0  # prompt tokens of a step cut at that deadline (none of them ran)
+    n_prefill_cut: int = 0  # prompt tokens of a step that was cut (none of them ran)
+    cut_by: str | None = None  # why it was cut: DEADLINE, CONTENTION or ARRIVAL
 
     @property
     def capped(self) -> bool:
@@ -157,11 +164,12 @@ def _read(path: Path, record: type) -> list:
 
 def control_counts(steps: list[StepRecord], max_threads: int | None) -> dict:
     """How often the runtime's controls acted: guarded steps kept free of background
-    prompt tokens (a cap of 0), background steps a foreground arrival cut, and steps run
-    on fewer than the backend's `max_threads`."""
+    prompt tokens (a cap of 0), steps cut for a foreground arrival or another program's
+    contention, and steps run on fewer than the backend's `max_threads`."""
     return {
         "zero_cap_steps": sum(1 for s in steps if s.guarded and s.cap == 0),
-        "bg_steps_cut": sum(1 for s in steps if not s.guarded and s.n_prefill_cut > 0),
+        "bg_steps_cut": sum(1 for s in steps if s.cut_by == ARRIVAL),
+        "steps_cut_for_contention": sum(1 for s in steps if s.cut_by == CONTENTION),
         "reduced_thread_steps": sum(1 for s in steps if None not in (s.threads, max_threads) and s.threads < max_threads),
     }
 

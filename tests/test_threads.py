@@ -135,6 +135,11 @@ def test_the_assembled_governor_reads_load_on_its_own_thread(tiny_gguf):
     engine = build_engine(backend, "dlfp", load_profile("cpu-laptop"), probe_period_s=None, start=False)
     watches = [c for c in engine.companions if isinstance(c, LoadWatch)]
     assert len(watches) == 1 and engine.thread_governor is not None
+    from dlfp.devices.pressure import cpu_stall_reader
+
+    # Steps on two threads are watched for another program's contention where the kernel has PSI.
+    assert (engine.contention_watch is not None) == (cpu_stall_reader() is not None)
+    assert engine.contention_watch is None or engine.contention_watch in engine.companions
     engine.start()
     try:
         assert watches[0]._thread is not None and watches[0]._thread.is_alive()

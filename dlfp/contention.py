@@ -1,0 +1,77 @@
+"""Cut a step that another program has started to slow, as soon as it shows.
+
+A step on several threads beside a program that has just taken a core runs 2-4x its
+time: each op waits for the thread that was descheduled. The cut at the decision's
+deadline (`cut_at` x T) bounds that step, but the deadline plus the decodes' rerun is
+still one ITL of 1.4-2 T, and a reply's own P99 <= 1.1 T absorbs one ITL of about
+1.25 T, no more. The watch reads how long some task has waited for a core (a cumulative
+counter, `devices/pressure.py`) every `poll_s` while a guarded step runs, and cuts the
+step once that waiting has covered `share` of the latest `window_s` (a program that
+starts late in a step is seen as soon as one that was there from its start): the
+decodes then rerun alone on one thread (`Engine._rerun_on_one_thread`). On a quiet
+2-core machine running a step on both cores, 20 ms windows showed some task waiting
+for a median 2 % of the window, 50 % at the 99th percentile, 75 % at most (300
+windows); beside a program spinning on a core, close to all of it. A step on
+one thread is not watched: beside another program it is not slowed the same way, and a
+rerun would run on the same thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+
+class ContentionWatch:
+    def __init__(self, stalled_s: Callable[[], float], cut: Callable[[], None], share: float = 0.8,
+                 window_s: float = 0.02, poll_s: float = 0.005):
+        if not 0 < share <= 1 or window_s <= 0 or poll_s <= 0:
+            raise ValueError(f"need 0 < share <= 1, window_s > 0, poll_s > 0; got {share}, {window_s}, {poll_s}")
+        self.stalled_s, self.cut = stalled_s, cut
+        self.share, self.window_s, self.poll_s = share, window_s, poll_s
+        self.fired = False  # the watch cut the step it last watched
+        self._polls: deque[tuple[float, float]] | None = None  # (time, stalled) since the step started
+        self._wake = threading.Condition()
+        self._closed = False
+
+    def start(self) -> "ContentionWatch":  # an engine companion: started and stopped with it
+        self._closed = False
+        threading.Thread(target=self._run, name="dlfp-contention-watch", daemon=True).start()
+        return self
+
+    def arm(self) -> None:
+        """The step that starts now is watched."""
+        with self._wake:
+            self.fired = False
+            self._polls = deque([(time.perf_counter(), self.stalled_s())])
+            self._wake.notify()
+
+    def disarm(self) -> None:
+        with self._wake:
+            self._polls = None
+
+    def stop(self) -> None:
+        with self._wake:
+            self._closed, self._polls = True, None
+            self._wake.notify()
+
+    def _run(self) -> None:
+        with self._wake:
+            while not self._closed:
+                if self._polls is None:
+                    self._wake.wait()
+                    continue
+                self._wake.wait(self.poll_s)
+                if self._polls is not None and self._contended(self._polls):
+                    self.fired, self._polls = True, None
+                    self.cut()
+
+    def _contended(self, polls: deque[tuple[float, float]]) -> bool:
+        """Some task waited for a core `share` of the latest window (one poll appended)."""
+        now = (time.perf_counter(), self.stalled_s())
+        polls.append(now)
+        while len(polls) > 2 and now[0] - polls[1][0] >= self.window_s:
+            polls.popleft()  # polls[0]: the latest poll at least a window old
+        t0, s0 = polls[0]
+        return now[0] - t0 >= self.window_s and now[1] - s0 >= self.share * (now[0] - t0)

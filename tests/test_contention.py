@@ -1,0 +1,135 @@
+"""Cutting a step another program starts to slow: the CPU pressure counter read from a
+file as the kernel writes it, the watch on a scripted counter, and the engine on the
+SIMULATED backend (a latency model slept on the wall clock, not a device)."""
+import threading
+import time
+
+import pytest
+
+from dlfp.contention import ContentionWatch
+from dlfp.devices.pressure import cpu_stall_reader
+from dlfp.engine import Engine, EngineConfig
+from dlfp.metrics import itls
+from dlfp.sequence import BACKGROUND, FOREGROUND, Request
+from dlfp.sim import SimBackend, SimCost
+from dlfp.tail import TailDLFP, TailParams
+from dlfp.trace import CONTENTION, control_counts
+
+PSI = b"some avg10=1.00 avg60=2.00 avg300=3.00 total=%d\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+
+
+def test_the_pressure_counter_is_read_in_seconds_and_its_absence_is_none(tmp_path):
+    f = tmp_path / "cpu"
+    f.write_bytes(PSI % 2_500_000)
+    stalled = cpu_stall_reader(f)
+    assert stalled() == 2.5
+    f.write_bytes(PSI % 4_000_000)
+    assert stalled() == 4.0
+    assert cpu_stall_reader(tmp_path / "absent") is None
+    (tmp_path / "bad").write_bytes(b"full total=1\n")
+    assert cpu_stall_reader(tmp_path / "bad") is None
+
+
+class Counter:
+    """Stall seconds that grow at `rate` of the wall clock while set."""
+
+    def __init__(self):
+        self.rate, self.base, self.since = 0.0, 0.0, time.perf_counter()
+
+    def set(self, rate):
+        self.base, self.since, self.rate = self(), time.perf_counter(), rate
+
+    def __call__(self):
+        return self.base + self.rate * (time.perf_counter() - self.since)
+
+
+def test_the_watch_cuts_once_waiting_covers_its_share_and_not_before():
+    counter, cuts = Counter(), []
+    watch = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), share=0.8, window_s=0.02,
+                            poll_s=0.002).start()
+    try:
+        counter.set(0.5)  # a busy machine: half the time some task waits
+        watch.arm()
+        time.sleep(0.1)
+        watch.disarm()
+        assert not cuts and not watch.fired
+        counter.set(1.0)  # another program on a core: some task always waits
+        t0 = time.perf_counter()
+        watch.arm()
+        time.sleep(0.1)
+        watch.disarm()
+        assert len(cuts) == 1 and watch.fired  # once per step
+        assert 0.02 <= cuts[0] - t0 < 0.08
+        watch.arm()  # a new step starts with no verdict
+        assert not watch.fired
+        watch.disarm()
+        time.sleep(0.02)
+        assert len(cuts) == 1  # not armed: nothing cut
+    finally:
+        watch.stop()
+    with pytest.raises(ValueError):
+        ContentionWatch(counter, lambda: None, share=0)
+    # A program that starts late in a step is seen a window after it starts, not diluted by
+    # the quiet part of the step before it.
+    counter.set(0.0)
+    late = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), window_s=0.02, poll_s=0.002).start()
+    try:
+        late.arm()
+        time.sleep(0.1)
+        counter.set(1.0)
+        t0 = time.perf_counter()
+        time.sleep(0.06)
+        late.disarm()
+        assert len(cuts) == 2 and 0.015 <= cuts[1] - t0 < 0.05
+    finally:
+        late.stop()
+
+
+class TwoThreadSim(SimBackend):
+    """SIMULATED, on two threads that cost nothing to switch; a `slow` factor from the
+    moment it is set, as a neighbour that takes a core mid-step slows every op."""
+
+    threads = max_threads = 2
+
+    def set_threads(self, n: int) -> bool:
+        self.threads = n
+        return True
+
+
+def test_a_step_another_program_slows_is_cut_its_decodes_rerun_and_the_policy_not_taught():
+    # SIMULATED: from step 30 on the counter says some task always waits (a neighbour took a
+    # core). The next guarded step with prompt tokens on two threads is cut within ~10 ms
+    # (rule: the watch), not at its 125 ms deadline; its decodes rerun on one thread; the
+    # policy does not learn the cut step's time; the governor (here: after the first such
+    # cut) moves to one thread, where no step is watched.
+    counter = Counter()
+    backend = TwoThreadSim(SimCost(base_s=0.01, decode_s=0.002, prefill_token_s=0.004), sleep=True)
+    engine = Engine(backend, TailDLFP(TailParams(0.1, 4, 1, 256, 1)), EngineConfig(preemption_budget_s=0.1))
+    engine.contention_watch = ContentionWatch(counter, backend.cut_step, window_s=0.01, poll_s=0.002)
+    engine.companions.append(engine.contention_watch)
+    contended = lambda: any(s.cut_by == CONTENTION for s in engine.trace.steps)  # noqa: E731
+    engine.thread_governor = lambda now: 1 if contended() else 2
+
+    def on_step(record):
+        if len(engine.trace.steps) == 30:
+            counter.set(1.0)
+
+    engine.step_hooks.append(on_step)
+    engine.start()
+    bg = engine.submit(Request([1 + k % 997 for k in range(1500)], 2, BACKGROUND, request_id="bg"))
+    fg = engine.submit(Request(list(range(3, 40)), 60, FOREGROUND, ignore_eos=True, request_id="fg"))
+    fg_record, bg_record = fg.result(timeout=60), bg.result(timeout=60)
+    engine.shutdown(abort_pending=False)
+    assert fg_record.ok and bg_record.ok
+    steps = engine.trace.steps
+    cut = [i for i, s in enumerate(steps) if s.cut_by == CONTENTION]
+    assert len(cut) == 1 and control_counts(steps, 2)["steps_cut_for_contention"] == 1
+    first = steps[cut[0]]
+    assert first.n_prefill_cut > 0 and first.n_prefill_fg + first.n_prefill_bg == 0
+    assert first.duration_s < 0.05 < first.cut_ms / 1e3  # well before its deadline
+    assert first.observed_s is None  # the policy was not taught the cut step's time
+    rerun = steps[cut[0] + 1]
+    assert rerun.rule == "cut" and rerun.threads == 1 and rerun.n_prefill_fg + rerun.n_prefill_bg == 0
+    assert all(s.threads == 1 for s in steps[cut[0] + 1:])
+    assert sum(s.n_prefill_bg for s in steps) == 1500  # every prompt token ran once
+    assert max(itls(fg_record)) < 0.125
