@@ -13,7 +13,11 @@ decodes then rerun alone on one thread (`Engine._rerun_on_one_thread`). On a qui
 for a median 2 % of the window, 50 % at the 99th percentile, 75 % at most (300
 windows); beside a program spinning on a core, close to all of it. A step on
 one thread is not watched: beside another program it is not slowed the same way, and a
-rerun would run on the same thread.
+rerun would run on the same thread. Nor is a step past half its target: the rerun then
+ends its ITL past the target anyway (beside a neighbour that had just started, reruns
+on one thread took 21-52 ms at T = 100 ms), and the step may still end sooner than the
+deadline cut would; one cut at 81 ms on our own threads' burst of work made a 129 ms ITL
+of what would have been a ~95 ms one.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class ContentionWatch:
         self.share, self.window_s, self.poll_s = share, window_s, poll_s
         self.fired = False  # the watch cut the step it last watched
         self._polls: deque[tuple[float, float]] | None = None  # (time, stalled) since the step started
+        self._until = 0.0  # the step is not cut after this time
         self._wake = threading.Condition()
         self._closed = False
 
@@ -40,11 +45,11 @@ class ContentionWatch:
         threading.Thread(target=self._run, name="dlfp-contention-watch", daemon=True).start()
         return self
 
-    def arm(self) -> None:
-        """The step that starts now is watched."""
+    def arm(self, within_s: float) -> None:
+        """The step that starts now is watched for its first `within_s`."""
         with self._wake:
-            self.fired = False
-            self._polls = deque([(time.perf_counter(), self.stalled_s())])
+            self.fired, now = False, time.perf_counter()
+            self._polls, self._until = deque([(now, self.stalled_s())]), now + within_s
             self._wake.notify()
 
     def disarm(self) -> None:
@@ -63,7 +68,9 @@ class ContentionWatch:
                     self._wake.wait()
                     continue
                 self._wake.wait(self.poll_s)
-                if self._polls is not None and self._contended(self._polls):
+                if self._polls is not None and time.perf_counter() > self._until:
+                    self._polls = None  # too late to be worth a cut
+                elif self._polls is not None and self._contended(self._polls):
                     self.fired, self._polls = True, None
                     self.cut()
 

@@ -418,9 +418,10 @@ class Engine:
         limit = obs.cut_after_s(step.guarded, step.plan.n_prefill) if self.backend.capabilities.cut_steps else None
         if limit is None:
             return step, DoneStep(self.backend.step(step.plan))
-        watch = self.contention_watch if (self.backend.threads or 1) > 1 else None
+        within = obs.watch_within_s() if self.contention_watch is not None and (self.backend.threads or 1) > 1 else None
+        watch = self.contention_watch if within is not None else None
         if watch is not None:
-            watch.arm()
+            watch.arm(within)
         try:
             result = self.backend.step_within(step.plan, limit)
         finally:

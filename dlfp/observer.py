@@ -121,6 +121,14 @@ class StepObserver:
             return None
         return d.cut_ms / 1e3
 
+    def watch_within_s(self) -> float | None:
+        """How long into the step just planned a cut for contention still pays (half the
+        decision's target: dlfp/contention.py says why); None: no decision to read it from."""
+        d = self.decision
+        if d is None or d.setpoint_ms is None or d.margin is None:
+            return None
+        return d.setpoint_ms * d.margin / 2e3
+
     def after_cut(self) -> int:
         """The step just planned was cut: the next runs its protected decodes alone (cap 0)."""
         d = self.decision
