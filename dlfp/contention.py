@@ -8,10 +8,13 @@ still one ITL of 1.4-2 T, and a reply's own P99 <= 1.1 T absorbs one ITL of abou
 counter, `devices/pressure.py`) every `poll_s` while a guarded step runs, and cuts the
 step once that waiting has covered `share` of the latest `window_s` (a program that
 starts late in a step is seen as soon as one that was there from its start): the
-decodes then rerun alone on one thread (`Engine._rerun_on_one_thread`). On a quiet
-2-core machine running a step on both cores, 20 ms windows showed some task waiting
-for a median 2 % of the window, 50 % at the 99th percentile, 75 % at most (300
-windows); beside a program spinning on a core, close to all of it. A step on
+decodes then rerun alone on one thread (`Engine._rerun_on_one_thread`). The kernel
+averages the share over the cores: on this project's 2-core machine a llama.cpp step on
+both cores read 1-8 % of each 20 ms window alone, and 45-63 % from the first 5 ms
+poll after a program spinning on a core started (the step then ran 3-6x as long:
+150 ms steps took 420-880 ms). Beside the whole benchmark (llama-server, two `dlfp
+serve` processes and the client on the same two cores) 20 ms windows read a median
+2 %, 50 % at the 99th percentile. A step on
 one thread is not watched: beside another program it is not slowed the same way, and a
 rerun would run on the same thread. Nor is a step past half its target: the rerun then
 ends its ITL past the target anyway (beside a neighbour that had just started, reruns
@@ -28,7 +31,7 @@ from typing import Callable
 
 
 class ContentionWatch:
-    def __init__(self, stalled_s: Callable[[], float], cut: Callable[[], None], share: float = 0.8,
+    def __init__(self, stalled_s: Callable[[], float], cut: Callable[[], None], share: float = 0.35,
                  window_s: float = 0.02, poll_s: float = 0.005):
         if not 0 < share <= 1 or window_s <= 0 or poll_s <= 0:
             raise ValueError(f"need 0 < share <= 1, window_s > 0, poll_s > 0; got {share}, {window_s}, {poll_s}")
