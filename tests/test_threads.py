@@ -271,7 +271,8 @@ def test_reduced_thread_steps_count_against_the_backends_threads():
     from dlfp.trace import StepRecord, control_counts
 
     steps = [StepRecord(0.0, 0.01, 0.01, 1, 0, 0, True, 0, None, threads=1) for _ in range(3)]
-    assert control_counts(steps, 2) == {"zero_cap_steps": 3, "reduced_thread_steps": 3}
+    assert control_counts(steps, 2) == {"zero_cap_steps": 3, "bg_steps_cut": 0, "steps_cut_for_contention": 0,
+                                        "reduced_thread_steps": 3}
     assert control_counts(steps, None)["reduced_thread_steps"] == 0  # threads not under our control
     clock = VirtualClock()
     assert Engine(ThreadedSim(lambda: False, clock=clock), TailDLFP(TailParams(0.1, 4, 1, 64)),
