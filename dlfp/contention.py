@@ -1,6 +1,6 @@
 """Cut a step that another program has started to slow, as soon as it shows.
 
-A step on several threads beside a program that has just taken a core runs 2-4x its
+A step on several threads beside a program that has just taken a core runs 2-6x its
 time: each op waits for the thread that was descheduled. The cut at the decision's
 deadline (`cut_at` x T) bounds that step, but the deadline plus the decodes' rerun is
 still one ITL of 1.4-2 T, and a reply's own P99 <= 1.1 T absorbs one ITL of about
@@ -9,12 +9,12 @@ counter, `devices/pressure.py`) every `poll_s` while a guarded step runs, and cu
 step once that waiting has covered `share` of the latest `window_s` (a program that
 starts late in a step is seen as soon as one that was there from its start): the
 decodes then rerun alone on one thread (`Engine._rerun_on_one_thread`). The kernel
-averages the share over the cores: on this project's 2-core machine a llama.cpp step on
-both cores read 1-8 % of each 20 ms window alone, and 45-63 % from the first 5 ms
-poll after a program spinning on a core started (the step then ran 3-6x as long:
-150 ms steps took 420-880 ms). Beside the whole benchmark (llama-server, two `dlfp
-serve` processes and the client on the same two cores) 20 ms windows read a median
-2 %, 50 % at the 99th percentile. A step on
+averages the share over the cores. On this project's 2-core machine
+(`scripts/psi_probe.py`, runs/2026-12-04-psi-probe), 20 ms windows during llama.cpp
+steps on both cores read a median 1 %, 57 % at the 99th percentile, alone (bursts near
+100 % in 3 steps of 30, about once a second, which the watch reads as contention too:
+its cuts on a quiet machine, docs/benchmarks.md), and 37-101 %, median 51 %, from the first window after a program spinning on
+one core started (steps of 160-219 ms then took 323-1196 ms). A step on
 one thread is not watched: beside another program it is not slowed the same way, and a
 rerun would run on the same thread. Nor is a step past half its target: the rerun then
 ends its ITL past the target anyway (beside a neighbour that had just started, reruns
