@@ -25,7 +25,8 @@ What the engine relies on, check by check:
 - cut_steps: for an adapter that declares it, a step cut at once (`step_within(plan, 0)`)
   returns `cut` with no logits and leaves every cache as it was: the same step run
   again, and the greedy tokens after it, are a never-cut run's, and a `cut_step()` made
-  while no step runs does not cut the next one; one that does not declare it is never asked (the default `step_within` runs the step whole);
+  while no step runs does not cut the next one; one that does not declare it is never
+  asked (the default `step_within` runs the step whole);
 - bad_input: an out-of-range token id, a sequence past its context, an oversized step
   or an unknown slot give BackendError/ValueError, and the backend keeps working.
 """

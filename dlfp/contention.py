@@ -13,9 +13,9 @@ averages the share over the cores. On this project's 2-core machine
 (`scripts/psi_probe.py`, runs/2026-12-04-psi-probe), 20 ms windows during llama.cpp
 steps on both cores read a median 1 %, 57 % at the 99th percentile, alone (bursts near
 100 % in 3 steps of 30, about once a second, which the watch reads as contention too:
-its cuts on a quiet machine, docs/benchmarks.md), and 37-101 %, median 51 %, from the first window after a program spinning on
-one core started (steps of 160-219 ms then took 323-1196 ms). A step on
-one thread is not watched: beside another program it is not slowed the same way, and a
+its cuts on a quiet machine, docs/benchmarks.md), and 37-101 %, median 51 %, from the
+first window after a program spinning on one core started (steps of 160-219 ms then
+took 323-1196 ms). A step on one thread is not watched: beside another program it is not slowed the same way, and a
 rerun would run on the same thread. Nor is a step past half its target: the rerun then
 ends its ITL past the target anyway (beside a neighbour that had just started, reruns
 on one thread took 21-52 ms at T = 100 ms), and the step may still end sooner than the

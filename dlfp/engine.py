@@ -411,7 +411,9 @@ class Engine:
         """Run a step synchronously. A guarded step with prompt tokens still running at its
         decision's deadline is cut (where the backend can): it is recorded, and its
         protected decodes run alone, so a slowdown that caught it mid-way (another program
-        starting) costs the streams the deadline plus a decode, not the whole slowed step."""
+        starting) costs the streams the deadline plus a decode, not the whole slowed step.
+        On several threads the contention watch may cut it sooner (dlfp/contention.py); a
+        background step alone is cut by a foreground arrival (`_run_preemptible`)."""
         obs = self.observer
         if self._preemptible(step):
             return self._run_preemptible(step)
