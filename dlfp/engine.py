@@ -371,7 +371,8 @@ class Engine:
             self._set_threads(self.thread_governor(self.clock()))
         sched = self.scheduler
         turn_first = self.policy.plans_turns and sched.turn_loading()
-        cap = obs.begin(sched.guarded(), sched.planned_decodes(turn_first), sched.itl_target_s(), turn_first)
+        cap = obs.begin(sched.guarded(), sched.planned_decodes(turn_first), sched.itl_target_s(), turn_first,
+                        sched.next_prompt_position(turn_first))
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
         step = sched.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed, turn_first=turn_first)
         self._schedule(step, gate_label)

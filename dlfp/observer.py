@@ -92,11 +92,12 @@ class StepObserver:
 
     # -- planning ----------------------------------------------------------
     def begin(self, guarded: bool, n_decode: int | None = None, target_s: float | None = None,
-              turn_loading: bool = False) -> int | None:
+              turn_loading: bool = False, position: int | None = None) -> int | None:
         """Before planning: the cadence observation, then the cap (None: no cap for this step).
         `n_decode`: the decodes the step will carry, where the caller knows them; `target_s`: the
         tightest ITL target the streaming requests named (None: the policy's); `turn_loading`: a
-        foreground prompt loads beside them, so a cap of 0 makes it wait (the record says so)."""
+        foreground prompt loads beside them, so a cap of 0 makes it wait (the record says so);
+        `position`: where the step's first prompt chunk would start, where known."""
         t = self.clock()
         self._call = t
         self.last_observed = None
@@ -107,7 +108,7 @@ class StepObserver:
             self.policy.reset()
             self._epoch += 1
             return None
-        decision = self.policy.decide(n_decode, target_s)
+        decision = self.policy.decide(n_decode, target_s, position)
         if turn_loading and decision.rule == "hold":
             decision = replace(decision, rule="wait")
         self.decision = decision

@@ -71,7 +71,8 @@ class PaperDLFP(PrefillPolicy):
         self._rule = "initial"
         self._misses_at_min = 0
 
-    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None,
+               position: int | None = None) -> Decision:
         # The published law has one target, its own: a request's target is not an input of equation (2).
         return Decision(self._cap, self._rule, n_decode, setpoint_ms=self.params.target_s * 1e3)
 

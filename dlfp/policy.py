@@ -94,15 +94,18 @@ class PrefillPolicy(ABC):
     plans_turns: bool = False
 
     @abstractmethod
-    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None,
+               position: int | None = None) -> Decision:
         """The prompt-token cap for the next guarded step (None: no cap) and why. `n_decode`:
         the decodes that step will carry, where the caller knows it (a policy that learns the
         step's cost plans for them). `target_s`: the ITL target this step must meet where the
-        streaming requests named one (the tightest), else None: the policy's own. Asked once
-        per guarded step: a policy may count the asks."""
+        streaming requests named one (the tightest), else None: the policy's own. `position`:
+        where the step's first prompt chunk would start (a prompt token deep in a context
+        costs more), where known. Asked once per guarded step: a policy may count the asks."""
 
-    def cap(self, n_decode: int | None = None, target_s: float | None = None) -> int | None:
-        return self.decide(n_decode, target_s).cap
+    def cap(self, n_decode: int | None = None, target_s: float | None = None,
+            position: int | None = None) -> int | None:
+        return self.decide(n_decode, target_s, position).cap
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None,
                 cut: bool = False) -> None:
@@ -139,7 +142,8 @@ class Unbounded(PrefillPolicy):
 
     name = "unbounded"
 
-    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None,
+               position: int | None = None) -> Decision:
         return Decision(None, "unbounded", n_decode)
 
 
@@ -152,7 +156,8 @@ class FixedCap(PrefillPolicy):
         self.tokens = tokens
         self.name = f"fixed:{tokens}"
 
-    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None,
+               position: int | None = None) -> Decision:
         return Decision(self.tokens, "fixed", n_decode)
 
     def describe(self) -> dict:

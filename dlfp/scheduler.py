@@ -352,6 +352,12 @@ class Scheduler:
             n_decode_protected=len(protected),
         )
 
+    def next_prompt_position(self, turn_first: bool = False) -> int | None:
+        """Where the next step's first prompt chunk starts (None: no prompt loads): the cost of
+        a prompt token grows with the context before it. `turn_first`: a foreground one."""
+        return next((s.n_prefilled for s in self._prefill_order()
+                     if not turn_first or s.priority == FOREGROUND), None)
+
     def _prefill_order(self) -> list[Sequence]:
         """Foreground prompts earliest deadline first, then background ones in admission order."""
         loading = [s for s in self.running if s.status == Status.PREFILLING]

@@ -1,19 +1,28 @@
 """What a step costs, learned online from the guarded steps the controller observes:
 
-    L ~ a + (m - 1) * s + (n - c) * t
+    L ~ a + (m - 1) * s + (n - c) * t * (1 + k * p)
 
-m sequences (d decodes, c prompt chunks), n prompt tokens; a: one decode alone; s: one more
-sequence of one token; t: one more token of a chunk (a small CPU: s ~ 2t; a GPU: s ~ t ~ 0).
-Each is an exponentially weighted average of the steps that measure it given the others (a:
-decode-only steps with one decode; s: steps whose extra sequences carry one token; t: longer
-chunks), kept while steps stop measuring it (a joint least-squares fit swung wildly while the
-cap sat still). Before a decode-only step a = 0 (the paper's law); before a prompt token
-s = t = a (the prior: it errs small on a GPU). Units: ms and tokens.
+m sequences (d decodes, c prompt chunks), n prompt tokens at mean position p; a: one decode
+alone; s: one more sequence of one token; t: one more token of a chunk at position 0 (a small
+CPU: s ~ 2t; a GPU: s ~ t ~ 0); k: what each position of context adds to a prompt token's
+cost, as a share of t (its attention: SmolLM2-135M on two Xeon threads, a 10-token chunk
+beside a decode took 54 ms at position 16, 86 ms at 1,536). a, s and t are exponentially
+weighted averages of the steps that measure each given the others (a: decode-only steps with
+one decode; s: steps whose extra sequences carry one token; t: longer chunks), kept while
+steps stop measuring them (a joint least-squares fit swung wildly while the cap sat still);
+k is the slope over intercept of a slow weighted line through the per-token costs against
+their positions, learned only once the positions spread. Before a decode-only step a = 0
+(the paper's law); before a prompt token s = t = a (the prior: it errs small on a GPU).
+Units: ms and tokens.
 """
 from __future__ import annotations
 
+import numpy as np
+
 CLIP = 3.0  # one sample moves s or t at most this fold: a preempted step is the margin's business
 MIN_SHARE = 0.1  # (L - a) is taken as at least this share of L: a noisy base never makes a cost <= 0
+DEPTH_KEEP = 1 - 1 / 256  # k is the model's, not the moment's: its line spans ~256 chunk steps
+MIN_SPREAD = 64  # positions: a slope over positions closer than this is noise
 
 
 class StepCostModel:
@@ -24,8 +33,11 @@ class StepCostModel:
         self.token_ms: float | None = None  # t
         self.n_obs = 0
         self.seq_measured_at: int | None = None  # n_obs when s was last measured
+        self.depth = 0.0  # k
+        self._line = np.zeros(5)  # weighted sums of 1, p, y, p^2, p*y over per-token costs y
 
-    def update(self, latency_ms: float, n: int, n_decode: int = 1, n_chunks: int | None = None) -> None:
+    def update(self, latency_ms: float, n: int, n_decode: int = 1, n_chunks: int | None = None,
+               position: float = 0.0) -> None:
         self.n_obs += 1
         c = (1 if n > 0 else 0) if n_chunks is None else min(n_chunks, n)
         extra_seqs = n_decode - 1 + c  # 0 for one chunk with no decode beside it: its first token is the base
@@ -44,13 +56,23 @@ class StepCostModel:
         # Before s or t is measured the pass is the prior's: charged at 0, the first chunk's
         # passes would go to its tokens (a 2-token chunk taught t = 34 ms where s ~ 16).
         sample = max(rest - extra_seqs * self._pass(), MIN_SHARE * latency_ms) / (n - c)
-        self.token_ms = self._clipped(self.token_ms, sample)
+        self._learn_depth(position, sample)
+        self.token_ms = self._clipped(self.token_ms, sample / (1 + self.depth * position))
+
+    def _learn_depth(self, p: float, y: float) -> None:
+        w, sp, sy, spp, spy = self._line = DEPTH_KEEP * self._line + (1.0, p, y, p * p, p * y)
+        spread = spp / w - (sp / w) ** 2
+        if spread < MIN_SPREAD ** 2:
+            return
+        slope = (spy / w - sp * sy / w ** 2) / spread
+        intercept = max(sy / w - slope * sp / w, MIN_SHARE * sy / w)
+        self.depth = max(0.0, slope / intercept)  # attention never makes a deeper token cheaper
 
     def _pass(self) -> float:  # s: as measured, else as t, else the prior (a decode-only step)
         return next((v for v in (self.seq_ms, self.token_ms) if v is not None), self.base_ms or 0.0)
 
-    def _token(self) -> float:  # t: as measured, else as s
-        return self._pass() if self.token_ms is None else self.token_ms
+    def _token(self, position: float = 0.0) -> float:  # t at a position: as measured, else as s
+        return self._pass() if self.token_ms is None else self.token_ms * (1 + self.depth * position)
 
     def base(self, n_decode: int = 1) -> float | None:
         """Decode-only step time with `n_decode` decodes (None: none seen yet)."""
@@ -60,6 +82,7 @@ class StepCostModel:
         """Every cost times `factor` (the device got that much slower); the rest is kept."""
         self.base_ms, self.seq_ms, self.token_ms = (None if v is None else v * factor
                                                     for v in (self.base_ms, self.seq_ms, self.token_ms))
+        self._line[[2, 4]] *= factor  # the line's costs: its slope over intercept is kept
 
     def _clipped(self, old: float | None, sample: float) -> float:  # sample moved at most CLIP-fold
         return sample if old is None else self._mix(old, min(CLIP * old, max(old / CLIP, sample)))
@@ -75,17 +98,17 @@ class StepCostModel:
     def plannable(self) -> bool:  # measured, or a decode-only step seen (the prior)
         return self.token_ms is not None or self.base_ms is not None
 
-    def predict(self, n: int, n_decode: int = 1) -> float | None:
-        """A step with `n` prompt tokens in one chunk beside `n_decode` decodes."""
+    def predict(self, n: int, n_decode: int = 1, position: float = 0.0) -> float | None:
+        """A step with `n` prompt tokens in one chunk at `position` beside `n_decode` decodes."""
         base = self.base(n_decode)
         if not self.plannable or (n == 0 and base is None):
             return None
-        return (base or 0.0) + (self._pass() + (n - 1) * self._token() if n > 0 else 0.0)
+        return (base or 0.0) + (self._pass() + (n - 1) * self._token(position) if n > 0 else 0.0)
 
-    def tokens_within(self, budget_ms: float, n_decode: int = 1) -> float:
-        """Prompt tokens (one chunk) that fit a step of `budget_ms` beside `n_decode` decodes;
-        below 1 (possibly negative) when not even one does."""
+    def tokens_within(self, budget_ms: float, n_decode: int = 1, position: float = 0.0) -> float:
+        """Prompt tokens (one chunk from `position`) that fit a step of `budget_ms` beside
+        `n_decode` decodes; below 1 (possibly negative) when not even one does."""
         room, first = budget_ms - (self.base(n_decode) or 0.0), self._pass()
         if room < first:
             return room / max(first, 1e-9)
-        return 1.0 + (room - first) / max(self._token(), 1e-9)
+        return 1.0 + (room - first) / max(self._token(position), 1e-9)

@@ -82,13 +82,16 @@ class TailDLFP(PrefillPolicy):
         self._speed = 1.0  # the device's step cost relative to the first: the product of the cost factors
         self._speeds: dict[float, tuple[StepCostModel, deque]] = {}  # model and window at other speeds
         self._decodes = 1  # decodes of the latest step: the plan's default
+        self._position = 0  # where the next prompt chunk starts (its tokens' cost grows with it)
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
         self._target_ms = params.target_s * 1e3  # the target of the latest decision
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
-    def decide(self, n_decode: int | None = None, target_s: float | None = None) -> Decision:
+    def decide(self, n_decode: int | None = None, target_s: float | None = None,
+               position: int | None = None) -> Decision:
         self._decodes = d = n_decode or self._decodes
+        self._position = position or 0
         self._target_ms = (target_s or self.params.target_s) * 1e3  # the margin is a ratio: it holds for any T
         margin = self.margin(d)
         missed = self._missed is not None and self._missed > margin
@@ -103,7 +106,7 @@ class TailDLFP(PrefillPolicy):
                 cap, rule = self.params.minimum, "probe"
             else:
                 self.zero_steps += 1
-        predicted = self.model.predict(cap, d) if self.model.plannable else None
+        predicted = self.model.predict(cap, d, self._position) if self.model.plannable else None
         cut_ms = self.params.cut_at * self._target_ms if cap and self.params.cut_at else None
         return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms)
 
@@ -112,7 +115,7 @@ class TailDLFP(PrefillPolicy):
         p = self.params
         if not self.model.plannable:
             return p.initial, "initial"
-        room = self.model.tokens_within(self._target_ms / margin, d)
+        room = self.model.tokens_within(self._target_ms / margin, d, self._position)
         if room < p.minimum:
             return (0, "hold") if p.zero_cap else (p.minimum, "minimum")
         planned = max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
@@ -144,7 +147,7 @@ class TailDLFP(PrefillPolicy):
         """Even the minimum chunk's typical step (no margin) is predicted above T; `fresh`: by a
         pass measured within `probe_every` steps (a stale one must not keep background out for
         good after a neighbour leaves: probes refresh it)."""
-        m, expected = self.model, self.model.predict(self.params.minimum, d)
+        m, expected = self.model, self.model.predict(self.params.minimum, d, self._position)
         stale = fresh and (m.seq_measured_at is None or m.n_obs - m.seq_measured_at >= self.params.probe_every)
         return not stale and expected is not None and expected > self._target_ms
 
@@ -156,13 +159,14 @@ class TailDLFP(PrefillPolicy):
         if shape is not None and shape.n_decode > 0:  # else (unknown, or none beside a budgeted chunk): as before
             self._decodes = shape.n_decode
         d, ms, itls = self._decodes, latency_s * 1e3, shape.itls if shape is not None else 1
+        x = shape.mean_prefill_position if shape is not None else 0.0
         # A ratio to the prior (no prompt token measured yet) says nothing about the model's error.
-        predicted = self.model.predict(n, d) if self.model.ready or n == 0 else None
+        predicted = self.model.predict(n, d, x) if self.model.ready or n == 0 else None
         late = cut or ms > self._target_ms
         self._missed = ms / predicted if predicted and late else None
         if n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL):
             self._window.append(Measured(d, ms / predicted if n else None, itls, late))
-        self.model.update(ms, n, d, shape.n_chunks if shape is not None else None)
+        self.model.update(ms, n, d, shape.n_chunks if shape is not None else None, x)
 
     def reset(self) -> None:
         self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept

@@ -53,14 +53,13 @@ def closed_loop(policy, steps: int, seed: int, sigma: float, factor=lambda k: 1.
             policy.reset()
         if device_change_at is not None and k == device_change_at:
             policy.device_changed(2.0)
-        d = decodes_of(k)
-        decision = policy.decide(d)
+        d, pos = decodes_of(k), (k * 7) % 1800
+        decision = policy.decide(d, position=pos)  # as the engine asks: where the next chunk starts
         cap = decision.cap
         caps.append(cap)
         if decisions is not None:
             decisions.append(decision)
         n = 0 if cap is None or k < idle_first or (idle_every and k % idle_every == idle_every - 1) else cap
-        pos = (k * 7) % 1800
         f = factor(k) * (2.0 if device_change_at is not None and k >= device_change_at else 1.0)
         ms = pass_cost_ms(n, d, pos, f) * math.exp(rng.gauss(0, sigma))
         if rng.random() < 0.01:

@@ -160,14 +160,14 @@ def drive(policy, steps: int, rng: random.Random, sigma: float = 0.0, factor=lam
     for k in range(steps):
         if reset_every and k % reset_every == 0:
             policy.reset()
-        cap = policy.cap()
+        pos = pos_of(k)
+        cap = policy.cap(position=pos)  # as the engine asks: where the next chunk starts
         caps.append(cap)
         if cap == 0 or (idle_every and k % idle_every == idle_every - 1):
             ms = cost_ms(0, 0, factor(k)) * math.exp(rng.gauss(0, sigma))
             lat.append(ms)
             policy.observe(ms / 1e3, cap=0, shape=StepShape(1, 0, 0, 0))
             continue
-        pos = pos_of(k)
         ms = cost_ms(cap, pos, factor(k)) * math.exp(rng.gauss(0, sigma))
         lat.append(ms)
         policy.observe(ms / 1e3, cap=cap, shape=StepShape(1, cap, cap * pos + cap * (cap - 1) // 2, 0))

@@ -282,7 +282,7 @@ def final_caps(model_dir, cls, per_token, policy="dlfp"):
         core.sched.add_request(request(f"doc{i}", 16000, 2))
     for _ in range(12):
         core.step()
-        caps.append(core.sched.dlfp_policy.cap())
+        caps.append(core.sched.dlfp.decision.cap)  # the cap the step was scheduled with
     return caps
 
 

@@ -85,7 +85,10 @@ class _DLFPMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         decodes = {r.request_id: n for r in self.running if (n := self._decode_tokens(r)) > 0}
-        cap = self.dlfp.begin(guarded=bool(decodes), n_decode=len(decodes))
+        # A chunked prompt's next chunk starts where it stopped (a new one: 0, or its cached prefix).
+        position = next((r.num_computed_tokens for r in self.running
+                         if r.request_id not in decodes and r.num_computed_tokens < r.num_prompt_tokens), None)
+        cap = self.dlfp.begin(guarded=bool(decodes), n_decode=len(decodes), position=position)
         if cap is None:
             out = super().schedule(*args, **kwargs)
         else:
