@@ -17,8 +17,6 @@ Units: ms and tokens.
 """
 from __future__ import annotations
 
-import numpy as np
-
 CLIP = 3.0  # one sample moves s or t at most this fold: a preempted step is the margin's business
 MIN_SHARE = 0.1  # (L - a) is taken as at least this share of L: a noisy base never makes a cost <= 0
 DEPTH_KEEP = 1 - 1 / 256  # k is the model's, not the moment's: its line spans ~256 chunk steps
@@ -34,7 +32,7 @@ class StepCostModel:
         self.n_obs = 0
         self.seq_measured_at: int | None = None  # n_obs when s was last measured
         self.depth = 0.0  # k
-        self._line = np.zeros(5)  # weighted sums of 1, p, y, p^2, p*y over per-token costs y
+        self._line = (0.0,) * 5  # weighted sums of 1, p, y, p^2, p*y over per-token costs y
 
     def update(self, latency_ms: float, n: int, n_decode: int = 1, n_chunks: int | None = None,
                position: float = 0.0) -> None:
@@ -60,7 +58,8 @@ class StepCostModel:
         self.token_ms = self._clipped(self.token_ms, sample / (1 + self.depth * position))
 
     def _learn_depth(self, p: float, y: float) -> None:
-        w, sp, sy, spp, spy = self._line = DEPTH_KEEP * self._line + (1.0, p, y, p * p, p * y)
+        self._line = tuple(DEPTH_KEEP * old + new for old, new in zip(self._line, (1.0, p, y, p * p, p * y)))
+        w, sp, sy, spp, spy = self._line
         spread = spp / w - (sp / w) ** 2
         if spread < MIN_SPREAD ** 2:
             return
@@ -82,7 +81,8 @@ class StepCostModel:
         """Every cost times `factor` (the device got that much slower); the rest is kept."""
         self.base_ms, self.seq_ms, self.token_ms = (None if v is None else v * factor
                                                     for v in (self.base_ms, self.seq_ms, self.token_ms))
-        self._line[[2, 4]] *= factor  # the line's costs: its slope over intercept is kept
+        w, sp, sy, spp, spy = self._line  # the line's costs scale: its slope over intercept is kept
+        self._line = (w, sp, sy * factor, spp, spy * factor)
 
     def _clipped(self, old: float | None, sample: float) -> float:  # sample moved at most CLIP-fold
         return sample if old is None else self._mix(old, min(CLIP * old, max(old / CLIP, sample)))
