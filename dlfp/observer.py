@@ -228,7 +228,7 @@ def decision_fields(d: Decision | None) -> dict:
     if d is None:
         return {}
     return {"rule": d.rule, "predicted_ms": d.predicted_ms, "margin": d.margin, "setpoint_ms": d.setpoint_ms,
-            "cut_ms": d.cut_ms}
+            "cut_ms": d.cut_ms, "position": d.position}
 
 
 def step_shape(step) -> StepShape:

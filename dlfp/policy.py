@@ -76,6 +76,7 @@ class Decision:
     margin: float | None = None  # measured / predicted quantile the prediction is multiplied by
     setpoint_ms: float | None = None  # target / margin: what the prediction must meet
     cut_ms: float | None = None  # a step with prompt tokens still running this long is cut (None: never)
+    position: int | None = None  # where the planned chunk starts (a deeper token costs more)
 
 
 class PrefillPolicy(ABC):

@@ -11,9 +11,9 @@ weighted averages of the steps that measure each given the others (a: decode-onl
 one decode; s: steps whose extra sequences carry one token; t: longer chunks), kept while
 steps stop measuring them (a joint least-squares fit swung wildly while the cap sat still);
 k is the slope over intercept of a slow weighted line through the per-token costs against
-their positions, learned only once the positions spread. Before a decode-only step a = 0
-(the paper's law); before a prompt token s = t = a (the prior: it errs small on a GPU).
-Units: ms and tokens.
+their positions, learned once s is measured and the positions spread. Before a decode-only
+step a = 0 (the paper's law); before a prompt token s = t = a (the prior: it errs small on a
+GPU). Units: ms and tokens.
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ class StepCostModel:
         # Before s or t is measured the pass is the prior's: charged at 0, the first chunk's
         # passes would go to its tokens (a 2-token chunk taught t = 34 ms where s ~ 16).
         sample = max(rest - extra_seqs * self._pass(), MIN_SHARE * latency_ms) / (n - c)
-        self._learn_depth(position, sample)
+        if self.seq_ms is not None:  # before s is measured, a short chunk's sample carries its passes' error
+            self._learn_depth(position, sample)
         self.token_ms = self._clipped(self.token_ms, sample / (1 + self.depth * position))
 
     def _learn_depth(self, p: float, y: float) -> None:

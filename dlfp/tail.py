@@ -108,7 +108,7 @@ class TailDLFP(PrefillPolicy):
                 self.zero_steps += 1
         predicted = self.model.predict(cap, d, self._position) if self.model.plannable else None
         cut_ms = self.params.cut_at * self._target_ms if cap and self.params.cut_at else None
-        return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms)
+        return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms, self._position)
 
     def _plan(self, d: int, margin: float) -> tuple[int, str]:
         """The largest chunk whose prediction times the margin meets T, and the rule that says so."""

@@ -47,6 +47,7 @@ class StepRecord:
     margin: float | None = None  # measured / predicted quantile applied to the prediction
     setpoint_ms: float | None = None  # target / margin
     cut_ms: float | None = None  # the decision's deadline for a step with prompt tokens
+    position: int | None = None  # where the planned chunk starts
     n_prefill_cut: int = 0  # prompt tokens of a step that was cut (none of them ran)
     cut_by: str | None = None  # why it was cut: DEADLINE, CONTENTION or ARRIVAL
 

@@ -64,7 +64,7 @@ def test_model_rule_picks_the_largest_chunk_that_meets_the_setpoint():
     policy, decisions = TailDLFP(CPU), []
     closed_loop(policy, 400, 1, 0.05, decisions=decisions)
     last = [d for d in decisions if d.rule == "model"][-1]
-    nxt = policy.model.predict(last.cap + 1, last.n_decode)
+    nxt = policy.model.predict(last.cap + 1, last.n_decode, last.position)
     # planned with the model as it stood then; the model moved a little since, so allow its drift
     assert last.predicted_ms <= last.setpoint_ms + 1e-6 and nxt > 0.9 * last.setpoint_ms
 
@@ -128,7 +128,7 @@ def taught(zero_cap: bool = True, base: float = 20.0, seq: float | None = None, 
 
 
 def test_rule_initial_nothing_learned():
-    assert TailDLFP(CPU).decide(1) == Decision(4, "initial", 1, None, 1.5, 100 / 1.5, cut_ms=125.0)
+    assert TailDLFP(CPU).decide(1) == Decision(4, "initial", 1, None, 1.5, 100 / 1.5, cut_ms=125.0, position=0)
 
 
 def test_rule_prior_a_pass_and_a_token_cost_a_decode_only_step_each():
