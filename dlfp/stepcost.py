@@ -5,15 +5,15 @@
 m sequences (d decodes, c prompt chunks), n prompt tokens at mean position p; a: one decode
 alone; s: one more sequence of one token; t: one more token of a chunk at position 0 (a small
 CPU: s ~ 2t; a GPU: s ~ t ~ 0); k: what each position of context adds to a prompt token's
-cost, as a share of t (its attention: SmolLM2-135M on two Xeon threads, a 10-token chunk
-beside a decode took 54 ms at position 16, 86 ms at 1,536). a, s and t are exponentially
-weighted averages of the steps that measure each given the others (a: decode-only steps with
-one decode; s: steps whose extra sequences carry one token; t: longer chunks), kept while
-steps stop measuring them (a joint least-squares fit swung wildly while the cap sat still);
-k is the slope over intercept of a slow weighted line through the per-token costs against
-their positions, learned once s is measured and the positions spread. Before a decode-only
-step a = 0 (the paper's law); before a prompt token s = t = a (the prior: it errs small on a
-GPU). Units: ms and tokens.
+cost, as a share of t (its attention: on SmolLM2-135M, two Xeon threads, a 10-token chunk
+beside a decode took 49 ms at position 16 and 86 ms at 1,536, runs/2026-12-05-position-cost).
+a, s and t are exponentially weighted averages of the steps that measure each given the
+others (a: decode-only steps with one decode; s: steps whose extra sequences carry one
+token; t: longer chunks), kept while steps stop measuring them (a joint least-squares fit
+swung wildly while the cap sat still). k is the slope over intercept of a slow weighted line
+through the per-token costs against their positions, learned once s is measured and the
+positions spread. Before a decode-only step a = 0 (the paper's law); before a prompt token
+s = t = a (the prior: it errs small on a GPU). Units: ms and tokens.
 """
 from __future__ import annotations
 
