@@ -413,15 +413,20 @@ class Engine:
         decision's deadline is cut (where the backend can): it is recorded, and its
         protected decodes run alone, so a slowdown that caught it mid-way (another program
         starting) costs the streams the deadline plus a decode, not the whole slowed step.
-        On several threads the contention watch may cut it sooner (dlfp/contention.py); a
-        background step alone is cut by a foreground arrival (`_run_preemptible`)."""
+        On several threads the contention watch may cut it sooner, and a decode-only guarded
+        step too (dlfp/contention.py); a background step alone is cut by a foreground arrival
+        (`_run_preemptible`)."""
         obs = self.observer
         if self._preemptible(step):
             return self._run_preemptible(step)
-        limit = obs.cut_after_s(step.guarded, step.plan.n_prefill) if self.backend.capabilities.cut_steps else None
-        if limit is None:
+        cuts = self.backend.capabilities.cut_steps
+        limit = obs.cut_after_s(step.guarded, step.plan.n_prefill) if cuts else None
+        # Decode-only guarded steps are watched too: nothing else bounds one that a program
+        # starting mid-step slows (230-335 ms on two threads beside the neighbour).
+        within = (obs.watch_within_s() if cuts and step.guarded and self.contention_watch is not None
+                  and (self.backend.threads or 1) > 1 else None)
+        if limit is None and within is None:
             return step, DoneStep(self.backend.step(step.plan))
-        within = obs.watch_within_s() if self.contention_watch is not None and (self.backend.threads or 1) > 1 else None
         watch = self.contention_watch if within is not None else None
         if watch is not None:
             watch.arm(within)

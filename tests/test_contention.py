@@ -139,3 +139,35 @@ def test_a_step_another_program_slows_is_cut_its_decodes_rerun_and_the_policy_no
     assert rerun.rule == "cut" and rerun.threads == 1 and rerun.n_prefill_fg + rerun.n_prefill_bg == 0
     assert all(s.threads == 1 for s in steps[cut[0] + 1:])
     assert sum(s.n_prefill_bg for s in steps) == 1500  # every prompt token ran once
+
+
+def test_a_decode_only_step_another_program_slows_is_cut_and_rerun_on_one_thread():
+    # SIMULATED: a chat decodes alone (no prompt to load: every guarded step is decode-only,
+    # which no deadline bounds). From step 20 a program takes a core: the counter says some
+    # task always waits and each step costs 5x. The watch cuts the next decode-only step on
+    # two threads (a 60 ms step, cut within ~10 ms); its decode reruns on one thread.
+    counter = Counter()
+    backend = TwoThreadSim(SimCost(base_s=0.01, decode_s=0.002, prefill_token_s=0.004), sleep=True)
+    engine = Engine(backend, TailDLFP(TailParams(0.1, 4, 1, 256, 1)), EngineConfig())
+    engine.contention_watch = ContentionWatch(counter, backend.cut_step, window_s=0.01, poll_s=0.002)
+    engine.companions.append(engine.contention_watch)
+    engine.thread_governor = lambda now: 2  # keeps two threads: only the rerun runs on one
+
+    def on_step(record):
+        if len(engine.trace.steps) == 20:
+            counter.set(1.0)
+            backend.cost_factor = 5.0
+
+    engine.step_hooks.append(on_step)
+    engine.start()
+    fg = engine.submit(Request(list(range(3, 40)), 40, FOREGROUND, ignore_eos=True, request_id="fg"))
+    record = fg.result(timeout=60)
+    engine.shutdown(abort_pending=False)
+    assert record.ok and len(record.output_ids) == 40
+    steps = engine.trace.steps
+    cut = [i for i, s in enumerate(steps) if s.cut_by == CONTENTION]
+    assert cut and all(steps[i].n_prefill_cut == 0 and steps[i].n_decode == 1 for i in cut)
+    first = steps[cut[0]]
+    assert first.threads == 2 and first.duration_s < 0.04 and first.observed_s is None
+    rerun = steps[cut[0] + 1]
+    assert rerun.rule == "cut" and rerun.threads == 1 and rerun.n_decode == 1
