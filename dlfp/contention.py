@@ -18,8 +18,9 @@ first window after a program spinning on one core started (steps of 160-219 ms t
 took 323-1196 ms). A guarded step with no prompt token is watched too: no deadline bounds
 it, and beside the neighbour three such steps on two threads took 230-335 ms in 16 trials
 (runs/2026-12-04-contention35-nn, runs/2026-12-05-position-goodput-nn); cuts for contention
-ended 24 ms into the step in the median, 91 at most. A step on one thread is not watched: beside another program it is not slowed the same way, and a
-rerun would run on the same thread. Nor is a step past half its target: the rerun then
+ended 24 ms into the step in the median, 91 at most. A step on one thread is not
+watched: beside another program it is not slowed the same way, and a rerun would run on
+the same thread. Nor is a step past half its target: the rerun then
 ends its ITL past the target anyway (beside a neighbour that had just started, reruns
 on one thread took 21-52 ms at T = 100 ms), and the step may still end sooner than the
 deadline cut would; one cut at 81 ms on our own threads' burst of work made a 129 ms ITL
