@@ -85,7 +85,8 @@ class _DLFPMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         decodes = {r.request_id: n for r in self.running if (n := self._decode_tokens(r)) > 0}
-        # A chunked prompt's next chunk starts where it stopped (a new one: 0, or its cached prefix).
+        # A chunked prompt's next chunk starts where it stopped; a waiting prompt is not running yet
+        # (its cached prefix is known only once scheduled): None, priced at position 0.
         position = next((r.num_computed_tokens for r in self.running
                          if r.request_id not in decodes and r.num_computed_tokens < r.num_prompt_tokens), None)
         cap = self.dlfp.begin(guarded=bool(decodes), n_decode=len(decodes), position=position)
