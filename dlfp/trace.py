@@ -88,6 +88,7 @@ class Trace:
     notes: list[str] = field(default_factory=list)  # e.g. "target unreachable"
     max_threads: int | None = None  # the backend's full step threads, where dlfp controls them
     slot_evictions: dict[str, int] = field(default_factory=dict)  # reason -> count (dlfp.prefix_cache)
+    steps_dropped_until: float | None = None  # the end of the latest step drop_oldest dropped
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_step(self, rec: StepRecord) -> None:
@@ -101,6 +102,21 @@ class Trace:
     def add_sample(self, sample: dict) -> None:
         with self._lock:
             self.samples.append(sample)
+
+    def steps_since(self, t: float) -> list[StepRecord]:
+        """The kept steps that began at `t` (engine clock) or later."""
+        with self._lock:
+            return [s for s in self.steps if s.t0 >= t]
+
+    def drop_oldest(self, keep_steps: int, keep_others: int) -> None:
+        """Keep only the latest records (a server that runs for days); `steps_dropped_until`
+        says up to when steps were dropped, so a reader knows what it is missing."""
+        with self._lock:
+            for records, keep in ((self.steps, keep_steps), (self.requests, keep_others), (self.samples, keep_others)):
+                if len(records) > 2 * keep:
+                    if records is self.steps:
+                        self.steps_dropped_until = records[-keep - 1].t1
+                    del records[:-keep]
 
     def note(self, text: str) -> None:
         with self._lock:

@@ -351,3 +351,15 @@ def test_the_worst_phase_skips_a_phase_without_foreground_itls():
     out = io.StringIO()
     phases_table(rows, Console(file=out, width=200), target_ms=100)
     assert "worst P99 ITL in any trial and phase 104.6 ms (<= 1.1 T = 110 ms)" in out.getvalue()
+
+
+def test_a_bounded_trace_says_up_to_when_it_dropped_steps():
+    trace = Trace(origin=0.0)
+    for i in range(10):
+        trace.add_step(StepRecord(i, i + 0.5, 0.5, 1, 0, 0, True, 4, None))
+    trace.drop_oldest(keep_steps=5, keep_others=5)
+    assert trace.steps_dropped_until is None and len(trace.steps) == 10  # within twice the bound: kept
+    trace.add_step(StepRecord(10, 10.5, 0.5, 1, 0, 0, True, 4, None))
+    trace.drop_oldest(keep_steps=5, keep_others=5)
+    assert [s.t0 for s in trace.steps] == [6, 7, 8, 9, 10] and trace.steps_dropped_until == 5.5
+    assert [s.t0 for s in trace.steps_since(8)] == [8, 9, 10]

@@ -298,7 +298,12 @@ def test_endpoint_target_times_tokens_on_the_client(server):
     records = {h.request_id: h.result(timeout=60) for h in handles}
     trace = target.close()
     assert sorted(r.request_id for r in trace.requests) == ["bg", "fg", "too-long"]
-    assert not trace.steps  # a server's steps are its own
+    # The server's steps of the trial come back on the client's clock, guarded ones with their decision.
+    fg = records["fg"]
+    assert trace.steps and all(trace.origin - 1 < s.t0 <= s.t1 < time.perf_counter() for s in trace.steps)
+    beside_fg = [s for s in trace.steps if s.t1 > fg.token_times[0] - 0.05 and s.t0 < fg.token_times[-1]]
+    assert any(s.guarded and s.rule is not None and s.margin is not None for s in beside_fg)
+    assert sum(s.n_prefill_bg for s in trace.steps) >= 200  # "bg"'s whole prompt ran in the trial's steps
     for rid in ("fg", "bg"):
         rec = records[rid]
         assert rec.ok and rec.finish_reason == "length"
@@ -310,6 +315,16 @@ def test_endpoint_target_times_tokens_on_the_client(server):
     assert records["fg"].output_ids == ref["choices"][0]["token_ids"]
     assert "HTTP 400" in records["too-long"].error
     server.wait_idle()
+
+
+def test_steps_route_serves_the_kept_steps_since_a_wall_clock_time(server):
+    server.http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
+    body = server.http.get("/steps", params={"since": time.time() - 60}).json()
+    assert body["complete"] and body["data"]
+    last = body["data"][-1]
+    assert abs(last["t1"] - time.time()) < 30 and {"rule", "cap", "duration_s", "n_decode"} <= set(last)
+    assert server.http.get("/steps", params={"since": time.time() + 60}).json()["data"] == []
+    assert server.http.get("/steps", params={"since": "soon"}).status_code == 400
 
 
 def test_endpoint_target_refuses_a_dead_url():

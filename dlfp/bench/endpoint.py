@@ -15,6 +15,9 @@ Token ids: dlfp returns them with `return_token_ids`; llama.cpp's server with
 build its next prompt from the reply. A request with `cache_prompt=False` sends
 llama.cpp's `"cache_prompt": false`; the prompt tokens a server reused come back
 in `usage.prompt_tokens_details.cached_tokens` (OpenAI's field) where it says.
+
+Steps: a dlfp server's own, read from its `/steps` after the trial (each with its
+decision record), aligned by the wall clock; other servers' steps are not visible.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from dlfp.sequence import Request
-from dlfp.trace import RequestRecord, Trace
+from dlfp.trace import RequestRecord, StepRecord, Trace
 
 DLFP_OWNER = "dlfp"
 LLAMACPP_OWNER = "llamacpp"  # llama.cpp's server in /v1/models
@@ -71,6 +74,7 @@ class EndpointTarget:
         self._probe()  # again: the server may have been restarted under another policy
         self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix=f"dlfp-{self.label}")
         self._trace = Trace(origin=time.perf_counter())
+        self._opened_unix = time.time()
         self._futures = []
 
     def submit(self, request: Request) -> EndpointHandle:
@@ -84,9 +88,29 @@ class EndpointTarget:
     def close(self) -> Trace:
         assert self._pool is not None and self._trace is not None, "open() first"
         self._pool.shutdown(wait=True)
+        if self.server.get("owned_by") == DLFP_OWNER:
+            self._fetch_steps(self._trace)
         self._client.close()
         trace, self._trace, self._pool, self._client = self._trace, None, None, None
         return trace
+
+    def _fetch_steps(self, trace: Trace) -> None:
+        """A dlfp server's steps since open(), each with its decision record, on this trace's
+        clock (aligned by the wall clock: the same host, or hosts whose clocks agree)."""
+        root = self.base_url.removesuffix("/v1")
+        try:
+            r = self._client.get(f"{root}/steps", params={"since": self._opened_unix})
+            r.raise_for_status()
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            trace.note(f"the server's steps could not be read ({exc}): no step figures")
+            return
+        to_trace = trace.origin - self._opened_unix
+        for row in body.get("data", []):
+            known = {k: v for k, v in row.items() if k in StepRecord.__dataclass_fields__}
+            trace.add_step(StepRecord(**known | {"t0": row["t0"] + to_trace, "t1": row["t1"] + to_trace}))
+        if not body.get("complete", True):
+            trace.note("the server had dropped some of the trial's steps (it keeps its latest few thousand)")
 
     def describe(self) -> dict:
         if not self.server:
@@ -94,7 +118,8 @@ class EndpointTarget:
         return {"name": "endpoint", "label": self.label, "base_url": self.base_url, "model": self.model,
                 "server_policy": self.policy, "send_priority": self.send_priority, "server": self.server,
                 "vocab_size": self.server.get("vocab_size"),
-                "timing": "client: chunk arrival times (vllm bench serve definitions)"}
+                "timing": "client: chunk arrival times (vllm bench serve definitions)",
+                "steps": "the server's, from /steps" if self.server.get("owned_by") == DLFP_OWNER else None}
 
     # -- internals ---------------------------------------------------------
     def _probe(self) -> None:

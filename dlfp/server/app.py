@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +27,10 @@ from dlfp.server.state_dir import StateDirBusy
 
 log = logging.getLogger("dlfp.server")
 OWNED_BY = "dlfp"  # how a client (dlfp's endpoint bench) recognises a server that takes `priority`
-TRACE_KEEP = 512  # a server runs for days and reads no trace: keep only the latest records (for debugging)
+# A server runs for days: it keeps only its latest records. Steps: a few minutes' worth (a step
+# is a few ms to a few hundred), for GET /steps; requests and probe samples: for debugging.
+STEP_KEEP = 4096
+TRACE_KEEP = 512
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,18 @@ class ServerState:
         return self.engine.backend
 
     def _bound_trace(self, _rec) -> None:  # engine thread, the trace's only regular writer
+        self.engine.trace.drop_oldest(STEP_KEEP, TRACE_KEEP)
+
+    def steps_since(self, since_unix: float) -> dict:
+        """The kept steps that began at `since_unix` or later, each with its decision record,
+        times in Unix seconds (a client on another clock aligns them by the wall clock);
+        `complete`: no step after `since_unix` was dropped."""
+        offset = time.time() - self.engine.clock()
         trace = self.engine.trace
-        for records in (trace.steps, trace.requests, trace.samples):
-            if len(records) > 2 * TRACE_KEEP:
-                del records[:-TRACE_KEEP]
+        rows = [asdict(s) | {"t0": s.t0 + offset, "t1": s.t1 + offset}
+                for s in trace.steps_since(since_unix - offset)]
+        dropped = trace.steps_dropped_until
+        return {"object": "list", "data": rows, "complete": dropped is None or dropped + offset < since_unix}
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name != self.model_name:
@@ -140,6 +151,12 @@ def create_app(state: ServerState) -> FastAPI:
         status = "draining" if state.bridge.draining else "ok"
         return JSONResponse({"status": status, "policy": state.policy, **load},
                             status_code=503 if state.bridge.draining else 200)
+
+    @app.get("/steps")
+    async def steps(since: float = 0.0):
+        # Counts and times only, no text: exposed as /metrics is. Building the rows holds the
+        # event loop ~10 us a step (a few ms for a minute's steps): read it between trials.
+        return state.steps_since(since)
 
     @app.get("/metrics")
     async def metrics():
