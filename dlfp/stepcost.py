@@ -10,17 +10,24 @@ beside a decode took 49 ms at position 16 and 86 ms at 1,536, runs/2026-12-05-po
 a, s and t are exponentially weighted averages of the steps that measure each given the
 others (a: decode-only steps with one decode; s: steps whose extra sequences carry one
 token; t: longer chunks), kept while steps stop measuring them (a joint least-squares fit
-swung wildly while the cap sat still). k is the slope over intercept of a slow weighted line
-through the per-token costs against their positions, learned once s is measured and the
-positions spread. Before a decode-only step a = 0 (the paper's law); before a prompt token
-s = t = a (the prior: it errs small on a GPU). Units: ms and tokens.
+swung wildly while the cap sat still). k comes from a slow weighted least-squares fit of
+the same law to the chunk steps, L - a ~ (m - 1) s + (n - c) t + (n - c) t k p, as its last
+coefficient over its second: the fit sees s, t and t k together, so it needs neither s
+measured first (steps whose extra sequences each carry one token can be rare for a minute)
+nor a sample corrected by a pass it does not know yet (a short chunk's would carry the
+error, and deeper chunks are planned shorter: k inflated); it waits for chunk sizes and
+positions to spread. Before a decode-only step a = 0 (the paper's law); before a prompt
+token s = t = a (the prior: it errs small on a GPU). Units: ms and tokens.
 """
 from __future__ import annotations
 
+import numpy as np
+
 CLIP = 3.0  # one sample moves s or t at most this fold: a preempted step is the margin's business
 MIN_SHARE = 0.1  # (L - a) is taken as at least this share of L: a noisy base never makes a cost <= 0
-DEPTH_KEEP = 1 - 1 / 256  # k is the model's, not the moment's: its line spans ~256 chunk steps
+DEPTH_KEEP = 1 - 1 / 256  # k is the model's, not the moment's: its fit spans ~256 chunk steps
 MIN_SPREAD = 64  # positions: a slope over positions closer than this is noise
+MIN_SIZE_SPREAD = 1.0  # tokens: chunks of one size cannot tell a token's cost from the pass's
 
 
 class StepCostModel:
@@ -32,7 +39,10 @@ class StepCostModel:
         self.n_obs = 0
         self.seq_measured_at: int | None = None  # n_obs when s was last measured
         self.depth = 0.0  # k
-        self._line = (0.0,) * 5  # weighted sums of 1, p, y, p^2, p*y over per-token costs y
+        self.fitted_seq_ms: float | None = None  # s as the fit sees it: the pass until s is measured
+        self._xx = np.zeros((3, 3))  # the fit's weighted sums: x x' and x y over x = (m - 1, n - c, (n - c) p)
+        self._xy = np.zeros(3)
+        self._spread = np.zeros(5)  # weighted sums of 1, p, p^2, n - c, (n - c)^2
 
     def update(self, latency_ms: float, n: int, n_decode: int = 1, n_chunks: int | None = None,
                position: float = 0.0) -> None:
@@ -49,27 +59,36 @@ class StepCostModel:
         rest = max(latency_ms - self.base_ms, MIN_SHARE * latency_ms)
         if n == c:  # every extra sequence carries one token: this step measures s
             self.seq_measured_at = self.n_obs
-            self.seq_ms = self._clipped(self.token_ms if self.seq_ms is None else self.seq_ms, rest / extra_seqs)
+            self.seq_ms = self._clipped(self._learned_pass(), rest / extra_seqs)
             return
         # Before s or t is measured the pass is the prior's: charged at 0, the first chunk's
         # passes would go to its tokens (a 2-token chunk taught t = 34 ms where s ~ 16).
         sample = max(rest - extra_seqs * self._pass(), MIN_SHARE * latency_ms) / (n - c)
-        if self.seq_ms is not None:  # before s is measured, a short chunk's sample carries its passes' error
-            self._learn_depth(position, sample)
+        self._learn_depth(rest, extra_seqs, n - c, position)
         self.token_ms = self._clipped(self.token_ms, sample / (1 + self.depth * position))
 
-    def _learn_depth(self, p: float, y: float) -> None:
-        self._line = tuple(DEPTH_KEEP * old + new for old, new in zip(self._line, (1.0, p, y, p * p, p * y)))
-        w, sp, sy, spp, spy = self._line
-        spread = spp / w - (sp / w) ** 2
-        if spread < MIN_SPREAD ** 2:
+    def _learn_depth(self, rest: float, extra_seqs: int, u: int, p: float) -> None:
+        x = np.array([extra_seqs, u, u * p], dtype=float)
+        self._xx = DEPTH_KEEP * self._xx + np.outer(x, x)
+        self._xy = DEPTH_KEEP * self._xy + x * rest
+        self._spread = DEPTH_KEEP * self._spread + (1.0, p, p * p, u, u * u)
+        w, sp, spp, su, suu = self._spread
+        if spp / w - (sp / w) ** 2 < MIN_SPREAD ** 2 or suu / w - (su / w) ** 2 < MIN_SIZE_SPREAD ** 2:
             return
-        slope = (spy / w - sp * sy / w ** 2) / spread
-        intercept = max(sy / w - slope * sp / w, MIN_SHARE * sy / w)
-        self.depth = max(0.0, slope / intercept)  # attention never makes a deeper token cheaper
+        try:
+            seq, token, token_depth = np.linalg.solve(self._xx, self._xy)
+        except np.linalg.LinAlgError:
+            return
+        if token > 0 and seq > 0:  # a fit so noisy it makes a token or a pass free says nothing of k
+            self.depth = max(0.0, float(token_depth / token))  # attention never makes a deeper token cheaper
+            self.fitted_seq_ms = float(seq)
 
-    def _pass(self) -> float:  # s: as measured, else as t, else the prior (a decode-only step)
-        return next((v for v in (self.seq_ms, self.token_ms) if v is not None), self.base_ms or 0.0)
+    def _learned_pass(self) -> float | None:  # s: as measured, else as fitted, else as t
+        return next((v for v in (self.seq_ms, self.fitted_seq_ms, self.token_ms) if v is not None), None)
+
+    def _pass(self) -> float:  # as learned, else the prior (a decode-only step)
+        learned = self._learned_pass()
+        return (self.base_ms or 0.0) if learned is None else learned
 
     def _token(self, position: float = 0.0) -> float:  # t at a position: as measured, else as s
         return self._pass() if self.token_ms is None else self.token_ms * (1 + self.depth * position)
@@ -82,8 +101,8 @@ class StepCostModel:
         """Every cost times `factor` (the device got that much slower); the rest is kept."""
         self.base_ms, self.seq_ms, self.token_ms = (None if v is None else v * factor
                                                     for v in (self.base_ms, self.seq_ms, self.token_ms))
-        w, sp, sy, spp, spy = self._line  # the line's costs scale: its slope over intercept is kept
-        self._line = (w, sp, sy * factor, spp, spy * factor)
+        self._xy = self._xy * factor  # the fit's costs scale: k, a ratio of two of them, is kept
+        self.fitted_seq_ms = None if self.fitted_seq_ms is None else self.fitted_seq_ms * factor
 
     def _clipped(self, old: float | None, sample: float) -> float:  # sample moved at most CLIP-fold
         return sample if old is None else self._mix(old, min(CLIP * old, max(old / CLIP, sample)))

@@ -182,16 +182,17 @@ def test_a_decision_with_prompt_tokens_names_its_cut_deadline():
 
 
 def test_a_deeper_chunk_is_planned_smaller_once_the_model_has_seen_positions_spread():
-    # Per-token cost 4 ms at position 0, 8 ms at 2,048 (its attention): the model learns k from
-    # chunks spread over positions, and a chunk that starts deeper gets fewer tokens.
+    # Per-token cost 4 ms at position 0, 8 ms at 2,048 (its attention), a pass 10 ms: the fit
+    # learns k from chunks of several sizes spread over positions, before any step has measured
+    # the pass alone, and a chunk that starts deeper gets fewer tokens.
     from dlfp.stepcost import StepCostModel
     m = StepCostModel(0.9)
     m.update(20.0, 0, 1)
-    m.update(30.0, 1, 1, 1)  # a one-token chunk: a pass of 10 ms
     for k in range(400):
         p = (k * 37) % 2048
-        m.update(20.0 + 10.0 + 9 * 4.0 * (1 + p / 2048), 10, 1, 1, p)
-    assert m.depth == pytest.approx(1 / 2048, rel=0.05)
+        n = 16 - p // 256  # deeper chunks planned shorter, as the controller plans them
+        m.update(20.0 + 10.0 + (n - 1) * 4.0 * (1 + p / 2048), n, 1, 1, p)
+    assert m.seq_ms is None and m.depth == pytest.approx(1 / 2048, rel=0.05)
     assert m.predict(10, 1, 1536) == pytest.approx(30.0 + 9 * 7.0, rel=0.03)
     c = taught(seq=10.0, token=4.0)
     c.model.depth = 1 / 2048
@@ -204,6 +205,7 @@ def test_positions_that_do_not_spread_teach_no_depth():
     m = StepCostModel(0.9)
     m.update(20.0, 0, 1)
     m.update(30.0, 1, 1, 1)
-    for k in range(400):
-        m.update(20.0 + 10.0 + 9 * 4.0 * (1.5 if k % 2 else 1.0), 10, 1, 1, 1000 + k % 2 * 20)
+    for k in range(400):  # sizes spread, positions do not
+        n = 8 + k % 5
+        m.update(20.0 + 10.0 + (n - 1) * 4.0 * (1.5 if k % 2 else 1.0), n, 1, 1, 1000 + k % 2 * 20)
     assert m.depth == 0.0
