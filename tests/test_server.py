@@ -274,7 +274,9 @@ def test_full_queue_gets_429_and_disconnects_free_their_sequences(server):
             assert r.status_code == 200
         full = server.http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
-        h = server.health()
+        deadline = time.monotonic() + 10  # the engine admits a request at its next step, not at the 200
+        while (h := server.health())["running"] < SLOTS and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert h["running"] == SLOTS and h["in_flight"] == SLOTS + MAX_QUEUE
     finally:
         for cm in streams:
