@@ -3,21 +3,16 @@
     L ~ a + (m - 1) * s + (n - c) * t * (1 + k * p)
 
 m sequences (d decodes, c prompt chunks), n prompt tokens at mean position p; a: one decode
-alone; s: one more sequence of one token; t: one more token of a chunk at position 0 (a small
-CPU: s ~ 2t; a GPU: s ~ t ~ 0); k: what each position of context adds to a prompt token's
-cost, as a share of t (its attention: on SmolLM2-135M, two Xeon threads, a 10-token chunk
-beside a decode took 49 ms at position 16 and 86 ms at 1,536, runs/2026-12-05-position-cost).
+alone; s: one more sequence of one token; t: one more token of a chunk at position 0; k: what
+each position of context adds to a prompt token's cost, as a share of t (its attention).
 a, s and t are exponentially weighted averages of the steps that measure each given the
 others (a: decode-only steps with one decode; s: steps whose extra sequences carry one
-token; t: longer chunks), kept while steps stop measuring them (a joint least-squares fit
-swung wildly while the cap sat still). k comes from a slow weighted least-squares fit of
-the same law to the chunk steps, L - a ~ (m - 1) s + (n - c) t + (n - c) t k p, as its last
-coefficient over its second: the fit sees s, t and t k together, so it needs neither s
-measured first (steps whose extra sequences each carry one token can be rare for a minute)
-nor a sample corrected by a pass it does not know yet (a short chunk's would carry the
-error, and deeper chunks are planned shorter: k inflated); it waits for chunk sizes and
-positions to spread. Before a decode-only step a = 0 (the paper's law); before a prompt
-token s = t = a (the prior: it errs small on a GPU). Units: ms and tokens.
+token; t: longer chunks), so they follow a device within a few steps. k is the last
+coefficient over the second of a slow weighted least-squares fit of the whole law to the
+chunk steps, which sees s, t and t k together (it needs no step that measures s alone, and
+until one comes its s prices the pass). Before a decode-only step a = 0 (the paper's law);
+before a prompt token s = t = a (the prior). docs/controller.md says why each part is there.
+Units: ms and tokens.
 """
 from __future__ import annotations
 
