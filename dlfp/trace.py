@@ -132,7 +132,7 @@ class Trace:
         }
         o = self.origin
         with self._lock:
-            _write_jsonl(paths["steps"], (_shift(asdict(s), o, ("t0", "t1")) for s in self.steps))
+            _write_jsonl(paths["steps"], (step_row(s, o) for s in self.steps))
             _write_jsonl(
                 paths["requests"],
                 (_shift_request(asdict(r), o) for r in self.requests),
@@ -141,6 +141,22 @@ class Trace:
                 paths["samples"] = directory / f"samples-{suffix}.jsonl"
                 _write_jsonl(paths["samples"], (_shift(dict(s), o, ("t",)) for s in self.samples))
         return paths
+
+
+def step_row(step: StepRecord, origin: float) -> dict:
+    """A step as a trace row, its times relative to `origin`."""
+    return _shift(asdict(step), origin, ("t0", "t1"))
+
+
+def step_from_row(row: dict, origin: float = 0.0) -> StepRecord:
+    """A trace row as a step, its times relative to `origin`; keys the record lacks (written
+    by a newer version) are skipped."""
+    return _record(StepRecord, _shift(dict(row), origin, ("t0", "t1")))
+
+
+def _record(record: type, row: dict):
+    fields = record.__dataclass_fields__
+    return record(**{k: v for k, v in row.items() if k in fields})
 
 
 def _shift(d: dict, origin: float, keys: tuple[str, ...]) -> dict:
@@ -173,10 +189,9 @@ def read_steps(path: Path) -> list[StepRecord]:
 def _read(path: Path, record: type) -> list:
     """A JSONL trace, or its gzip copy (a kept run keeps only those); keys the record lacks
     (written by a newer version) are skipped."""
-    fields = record.__dataclass_fields__
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
-        return [record(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f if line.strip()]
+        return [_record(record, json.loads(line)) for line in f if line.strip()]
 
 
 def control_counts(steps: list[StepRecord], max_threads: int | None) -> dict:

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from dlfp.sequence import Request
-from dlfp.trace import RequestRecord, StepRecord, Trace
+from dlfp.trace import RequestRecord, Trace, step_from_row
 
 DLFP_OWNER = "dlfp"
 LLAMACPP_OWNER = "llamacpp"  # llama.cpp's server in /v1/models
@@ -59,6 +59,7 @@ class EndpointTarget:
         self.max_concurrency = max_concurrency
         self.policy: str | None = None
         self.server: dict = {}
+        self.is_dlfp = False  # set by _probe: the server is dlfp serve
         self._client: httpx.Client | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._trace: Trace | None = None
@@ -88,7 +89,7 @@ class EndpointTarget:
     def close(self) -> Trace:
         assert self._pool is not None and self._trace is not None, "open() first"
         self._pool.shutdown(wait=True)
-        if self.server.get("owned_by") == DLFP_OWNER:
+        if self.is_dlfp:
             self._fetch_steps(self._trace)
         self._client.close()
         trace, self._trace, self._pool, self._client = self._trace, None, None, None
@@ -105,10 +106,9 @@ class EndpointTarget:
         except (httpx.HTTPError, ValueError) as exc:
             trace.note(f"the server's steps could not be read ({exc}): no step figures")
             return
-        to_trace = trace.origin - self._opened_unix
+        unix_origin = self._opened_unix - trace.origin  # Unix time of this trace's clock reading 0
         for row in body.get("data", []):
-            known = {k: v for k, v in row.items() if k in StepRecord.__dataclass_fields__}
-            trace.add_step(StepRecord(**known | {"t0": row["t0"] + to_trace, "t1": row["t1"] + to_trace}))
+            trace.add_step(step_from_row(row, unix_origin))
         if not body.get("complete", True):
             trace.note("the server had dropped some of the trial's steps (it keeps its latest few thousand)")
 
@@ -119,7 +119,7 @@ class EndpointTarget:
                 "server_policy": self.policy, "send_priority": self.send_priority, "server": self.server,
                 "vocab_size": self.server.get("vocab_size"),
                 "timing": "client: chunk arrival times (vllm bench serve definitions)",
-                "steps": "the server's, from /steps" if self.server.get("owned_by") == DLFP_OWNER else None}
+                "steps": "the server's, from /steps" if self.is_dlfp else None}
 
     # -- internals ---------------------------------------------------------
     def _probe(self) -> None:
@@ -138,10 +138,10 @@ class EndpointTarget:
             raise ValueError(f"model {self.model!r} is not served at {self.base_url} (it has {ids})")
         card = cards[ids.index(self.model)]
         self.server = {k: card.get(k) for k in ("owned_by", "max_model_len", "vocab_size", "policy")}
-        is_dlfp = card.get("owned_by") == DLFP_OWNER
+        self.is_dlfp = card.get("owned_by") == DLFP_OWNER  # it takes dlfp's fields and serves /steps
         if self.send_priority is None:
-            self.send_priority = is_dlfp
-        self._token_ids = is_dlfp  # dlfp (like recent vLLM) returns token ids on request
+            self.send_priority = self.is_dlfp
+        self._token_ids = self.is_dlfp  # dlfp (like recent vLLM) returns token ids on request
         self._verbose_ids = card.get("owned_by") == LLAMACPP_OWNER
 
     def _body(self, request: Request) -> dict:
