@@ -10,6 +10,10 @@
 #   git worktree add /tmp/main-old main && DLFP_VENV=/tmp/main-old/.venv bash /tmp/main-old/scripts/setup.sh
 #   BASE_DIR=/tmp/main-old bash scripts/controller_series.sh
 #   CONDS="t100 nn" BASE_DIR=... bash scripts/controller_series.sh
+#
+# WIDE=1 gives this checkout the arms the controller is judged against (the baseline runs its
+# `dlfp` only): T = 100 the sweep fixed:2,4,8,16 (with unbounded), T = 50 fixed:1,2,4,8, the
+# neighbour fixed:2. Unbounded does not depend on T: it runs once, at T = 100.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HERE=$(pwd)
@@ -32,12 +36,18 @@ declare -A ARGS=(
   [mt]="--workload multi-turn-ingest"
 )
 
-one() {  # python build-dir out cond
-  local py=$1 dir=$2 out=$3 cond=$4
+declare -A WIDE_ARMS=(
+  [t100]="--sweep fixed:2,4,8,16"
+  [t50]="--policies fixed:1,fixed:2,fixed:4,fixed:8,dlfp"
+  [nn]="--policies fixed:2,dlfp"
+)
+
+one() {  # python build-dir out cond [arms]
+  local py=$1 dir=$2 out=$3 cond=$4 arms=${5:---policies dlfp}
   echo "=== $(date -u +%H:%M:%S) $dir $cond -> $out" | tee -a "$LOG"
   SECONDS=0
   # shellcheck disable=SC2086
-  (cd "$dir" && nice -n "$NICE" "$py" -m dlfp.cli bench ${ARGS[$cond]} --policies dlfp \
+  (cd "$dir" && nice -n "$NICE" "$py" -m dlfp.cli bench ${ARGS[$cond]} $arms \
       --seeds $SEEDS --out "$out") >>"$LOG" 2>&1
   echo "    rc $?, took $SECONDS s" | tee -a "$LOG"
 }
@@ -45,10 +55,12 @@ one() {  # python build-dir out cond
 i=0
 for cond in $CONDS; do
   [ -n "${ARGS[$cond]:-}" ] || { echo "unknown condition $cond (one of ${!ARGS[*]})" >&2; exit 2; }
+  arms=--policies\ dlfp
+  [ "${WIDE:-0}" = 1 ] && arms=${WIDE_ARMS[$cond]:-$arms}
   if (( i % 2 == 0 )); then
-    one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"; one "$PY" "$HERE" "$R-$cond" "$cond"
+    one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"; one "$PY" "$HERE" "$R-$cond" "$cond" "$arms"
   else
-    one "$PY" "$HERE" "$R-$cond" "$cond"; one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"
+    one "$PY" "$HERE" "$R-$cond" "$cond" "$arms"; one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"
   fi
   i=$((i + 1))
 done
