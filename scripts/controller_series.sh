@@ -42,8 +42,10 @@ declare -A WIDE_ARMS=(
   [nn]="--policies fixed:2,dlfp"
 )
 
+DLFP_ONLY="--policies dlfp"
+
 one() {  # python build-dir out cond [arms]
-  local py=$1 dir=$2 out=$3 cond=$4 arms=${5:---policies dlfp}
+  local py=$1 dir=$2 out=$3 cond=$4 arms=${5:-$DLFP_ONLY}
   echo "=== $(date -u +%H:%M:%S) $dir $cond -> $out" | tee -a "$LOG"
   SECONDS=0
   # shellcheck disable=SC2086
@@ -55,7 +57,7 @@ one() {  # python build-dir out cond [arms]
 i=0
 for cond in $CONDS; do
   [ -n "${ARGS[$cond]:-}" ] || { echo "unknown condition $cond (one of ${!ARGS[*]})" >&2; exit 2; }
-  arms=--policies\ dlfp
+  arms=$DLFP_ONLY
   [ "${WIDE:-0}" = 1 ] && arms=${WIDE_ARMS[$cond]:-$arms}
   if (( i % 2 == 0 )); then
     one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"; one "$PY" "$HERE" "$R-$cond" "$cond" "$arms"
