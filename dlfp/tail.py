@@ -5,6 +5,8 @@ maximum]) with predict(n, d) * margin(d) <= T. `predict`: the step-cost model
 (dlfp/stepcost.py). `margin(d)`: the quantile of measured / predicted over the window's
 chunk steps with d decodes (else all of them, else `prior_spread`) that holds `quantile` of
 the window's foreground ITLs, decode-only steps' too (the cap cannot shrink those: no ratio).
+A margin under 1 holds only for chunks up to the largest the window measured; past it the
+margin is 1, and where nothing larger fits at 1 the cap is that largest chunk ("measured").
 No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one step in
 `probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
 that missed T by more than the margin plans the next at its own ratio ("miss": the window
@@ -43,6 +45,10 @@ class TailParams(PaperParams):
     # P99 <= 1.1 T absorbs one ITL up to ~1.25 T, no longer one: such a step has already failed
     # every reply it ends an ITL of, and a cut there only bounds that ITL.
     cut_at: float | None = 1.25
+    # While a new turn's prompt loads beside the streams, background prompts and decodes wait
+    # (dlfp.scheduler.plan): the turn gets the whole setpoint. False: they share the cap, the
+    # turn's prompt first.
+    turn_first: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,6 +69,7 @@ YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the
 
 class Measured(NamedTuple):  # a guarded step in the margin's window
     decodes: int
+    tokens: int  # prompt tokens it carried
     ratio: float | None  # measured / predicted; None: a decode-only step
     itls: int  # foreground ITLs it ended
     late: bool  # it ran over the target
@@ -72,7 +79,6 @@ class TailDLFP(PrefillPolicy):
     """Tail-aware DLFP: the largest chunk whose predicted step time times the margin meets T."""
 
     source = COMPLETION
-    plans_turns = True
 
     def __init__(self, params: TailParams, name: str = "dlfp"):
         self.params = params
@@ -97,7 +103,7 @@ class TailDLFP(PrefillPolicy):
         missed = self._missed is not None and self._missed > margin
         if missed:  # a step just missed T by more than the margin allows: its own ratio, for one step
             margin = self._missed
-        cap, rule = self._plan(d, margin)
+        cap, rule, margin = self._plan(d, margin)
         rule = "miss" if missed and rule == "model" else rule
         if cap == 0:
             self._held_asks += 1
@@ -110,17 +116,38 @@ class TailDLFP(PrefillPolicy):
         cut_ms = self.params.cut_at * self._target_ms if cap and self.params.cut_at else None
         return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms, self._position)
 
-    def _plan(self, d: int, margin: float) -> tuple[int, str]:
-        """The largest chunk whose prediction times the margin meets T, and the rule that says so."""
+    @property
+    def plans_turns(self) -> bool:
+        return self.params.turn_first
+
+    def _plan(self, d: int, margin: float) -> tuple[int, str, float]:
+        """The largest chunk whose prediction times the margin meets T, the rule that says so,
+        and the margin it was planned at."""
         p = self.params
         if not self.model.plannable:
-            return p.initial, "initial"
-        room = self.model.tokens_within(self._target_ms / margin, d, self._position)
-        if room < p.minimum:
-            return (0, "hold") if p.zero_cap else (p.minimum, "minimum")
-        planned = max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
+            return p.initial, "initial", margin
+        planned = self._fitting(d, margin)
+        largest = max((s.tokens for s in self._window), default=0)
+        if margin < 1 and planned > largest:
+            # A margin under 1 (the model over-predicts) was measured on the window's chunks; a
+            # larger chunk lies where the model's error is unknown: planned at a margin of 1 there.
+            # (Neighbour seed 1043: 0.67 learned on 2-token chunks after a thread change let a
+            # 22-token chunk in, cut at 1.25 T.)
+            at_one = self._fitting(d, 1.0)
+            if at_one < largest:  # the largest measured chunk still fits under the learned margin
+                return max(p.minimum, largest // p.quantum * p.quantum), "measured", margin
+            planned, margin = at_one, 1.0
+        if not planned:
+            return (0, "hold", margin) if p.zero_cap else (p.minimum, "minimum", margin)
         # The prior errs far small on a GPU, never large enough to trust above `initial`.
-        return (planned, "model") if self.model.ready else (min(planned, p.initial), "prior")
+        return (planned, "model", margin) if self.model.ready else (min(planned, p.initial), "prior", margin)
+
+    def _fitting(self, d: int, margin: float) -> int:
+        """The largest chunk (a quantum multiple up to `maximum`) whose prediction times the margin
+        meets T; 0 where not even the minimum does."""
+        p = self.params
+        room = self.model.tokens_within(self._target_ms / margin, d, self._position)
+        return 0 if room < p.minimum else max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
 
     def margin(self, n_decode: int | None = None) -> float:
         """The ratio chunk steps exceed on 1 - q of the window's ITLs less the late decode-only
@@ -165,7 +192,7 @@ class TailDLFP(PrefillPolicy):
         late = cut or ms > self._target_ms
         self._missed = ms / predicted if predicted and late else None
         if n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL):
-            self._window.append(Measured(d, ms / predicted if n else None, itls, late))
+            self._window.append(Measured(d, n, ms / predicted if n else None, itls, late))
         self.model.update(ms, n, d, shape.n_chunks if shape is not None else None, x)
 
     def reset(self) -> None:

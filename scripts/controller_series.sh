@@ -13,7 +13,8 @@
 #
 # WIDE=1 gives this checkout the arms the controller is judged against (the baseline runs its
 # `dlfp` only): T = 100 the sweep fixed:2,4,8,16 (with unbounded), T = 50 fixed:1,2,4,8, the
-# neighbour fixed:2. Unbounded does not depend on T: it runs once, at T = 100.
+# neighbour fixed:2. Unbounded does not depend on T: it runs once, at T = 100. ARMS sets this
+# checkout's arms for every condition instead (ARMS="--policies dlfp,dlfp:turn_first=false").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HERE=$(pwd)
@@ -59,6 +60,7 @@ for cond in $CONDS; do
   [ -n "${ARGS[$cond]:-}" ] || { echo "unknown condition $cond (one of ${!ARGS[*]})" >&2; exit 2; }
   arms=$DLFP_ONLY
   [ "${WIDE:-0}" = 1 ] && arms=${WIDE_ARMS[$cond]:-$arms}
+  arms=${ARMS:-$arms}
   if (( i % 2 == 0 )); then
     one "$BASE_PY" "$BASE_DIR" "$R-$cond-base" "$cond"; one "$PY" "$HERE" "$R-$cond" "$cond" "$arms"
   else

@@ -641,3 +641,11 @@ def test_a_dlfp_arm_may_override_the_tail_parameters_by_name():
                       ("dlfp:window=x", "not a int"), ("dlfp:quantile=1.5", "quantile in")):
         with pytest.raises(ValueError, match=says):
             parse_policy(bad, defaults)
+
+
+def test_turn_first_is_a_parameter_of_the_tail_law():
+    """A policy that plans turns holds background out while a new turn loads (the scheduler's
+    turn_first); dlfp:turn_first=false shares the cap instead, the turn's prompt first."""
+    defaults = TailParams(0.100, 4, 1, 256, 1, zero_cap=True)
+    assert parse_policy("dlfp", defaults).plans_turns
+    assert not parse_policy("dlfp:turn_first=false", defaults).plans_turns

@@ -11,7 +11,7 @@ from golden_caps import closed_loop
 from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.paper import PaperDLFP
 from dlfp.policy import RULES, Decision, FixedCap, StepShape, Unbounded
-from dlfp.tail import TailDLFP, TailParams
+from dlfp.tail import MARGIN_SAMPLES, TailDLFP, TailParams
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import read_steps, rule_counts
@@ -166,6 +166,25 @@ def test_rule_miss_a_step_that_missed_the_target_sizes_the_next_at_its_own_ratio
     assert (d.cap, d.rule, d.margin) == (5, "miss", 2.0)
     c.observe(0.045, cap=5, shape=StepShape(1, 5, 0, 0, n_chunks=1))
     assert c.decide(1).rule == "model"
+
+
+def test_rule_measured_a_margin_under_1_holds_only_up_to_the_largest_chunk_measured():
+    """After a thread change the pass stayed priced high and 2-token chunks ran at 0.65x their
+    prediction (neighbour seed 1043): the plain law planned 23 tokens at that margin and the
+    step was cut at 1.25 T. Past the chunks measured the margin is 1."""
+    def after(chunk: int) -> Decision:
+        c = taught(seq=32.0, token=4.5, forgetting=1.0)  # the costs stay put: the ratios stay 0.65
+        for _ in range(MARGIN_SAMPLES):
+            c.observe(0.65 * c.model.predict(chunk, 1) / 1e3, cap=chunk, shape=StepShape(1, chunk, 0, 0, n_chunks=1))
+        assert c.margin(1) == pytest.approx(0.65)
+        return c.decide(1)
+    d = after(2)  # 20 + 32 + 4.5 (n - 1) <= 100 / 0.65: n = 23; <= 100: n = 11
+    assert (d.cap, d.rule, d.margin, d.setpoint_ms) == (11, "model", 1.0, 100.0)
+    d = after(8)  # 8 measured: still 11 at a margin of 1
+    assert (d.cap, d.rule) == (11, "model")
+    d = after(16)  # 16 measured and fits at 0.65, but not at 1: the largest measured chunk
+    assert (d.cap, d.rule, d.margin) == (16, "measured", pytest.approx(0.65))
+    assert d.predicted_ms * d.margin <= 100.0 < d.predicted_ms
 
 
 def test_a_decision_with_prompt_tokens_names_its_cut_deadline():
