@@ -4,7 +4,8 @@ A guarded step with d decodes gets the largest chunk n (a quantum multiple in [m
 maximum]) with predict(n, d) * margin(d) <= T. `predict`: the step-cost model
 (dlfp/stepcost.py). `margin(d)`: the quantile of measured / predicted over the window's
 chunk steps with d decodes (else all of them, else `prior_spread`) that holds `quantile` of
-the window's foreground ITLs, decode-only steps' too (the cap cannot shrink those: no ratio).
+the window's foreground ITLs, held decode-only steps' too (the cap cannot shrink those: no
+ratio; a decode-only step with nothing waiting stays out of the window).
 A margin under 1 holds only for chunks up to the largest the window measured; past it the
 margin is 1, and where nothing larger fits at 1 the cap is that largest chunk ("measured").
 No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one step in
@@ -191,7 +192,12 @@ class TailDLFP(PrefillPolicy):
         predicted = self.model.predict(n, d, x) if self.model.ready or n == 0 else None
         late = cut or ms > self._target_ms
         self._missed = ms / predicted if predicted and late else None
-        if n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL):
+        # A decode-only step with nothing waiting (the cap allowed prompt tokens, none ran) says
+        # nothing of a chunk, and the cap decided nothing in it: a chat streaming alone would age
+        # every ratio out of the window (laptop seed 1041: 189 such steps, then 32 chunk steps
+        # at the prior margin). A held step (cap 0) is the cap's doing: it ages the window.
+        idle = n == 0 and cap != 0
+        if not idle and (n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL)):
             self._window.append(Measured(d, n, ms / predicted if n else None, itls, late))
         self.model.update(ms, n, d, shape.n_chunks if shape is not None else None, x)
 

@@ -499,6 +499,7 @@ def test_tail_spread_counts_a_step_once_per_foreground_itl():
             decodes = 1 if k % 5 == 4 else 2  # decode-only steps with one decode measure the base
             cap = c.cap(decodes)
             n = 0 if decodes == 1 else cap
+            cap = cap if n else 0  # held: its ITLs count (one with nothing waiting would not)
             shape = StepShape(decodes, n, 0, 0, n_chunks=1 if n else 0, n_protected=n_protected if slow else 1)
             c.observe(pass_per_sequence_ms(n, decodes) * (1.6 if slow else 1.0) / 1e3, cap=cap, shape=shape)
         return c
@@ -567,6 +568,21 @@ def test_decode_only_steps_age_the_margin_window_without_giving_a_ratio():
     assert c.margin(1) == pytest.approx(1.2)
     c.observe(0.040, cap=0, shape=StepShape(1, 0, 0, 0))  # the oldest chunk ratio leaves
     assert c.margin(1) == c.params.prior_spread
+
+
+def test_a_decode_only_step_with_nothing_waiting_leaves_the_margin_window_alone():
+    """A chat streaming alone (the cap allowed prompt tokens, none were waiting) says nothing of
+    a chunk's cost: after 189 such steps the laptop's first 32 background chunks ran at the prior
+    margin (seed 1041 at T = 100). They neither age the window nor count as its ITLs."""
+    from dlfp.tail import MARGIN_SAMPLES
+    c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
+    m = c.model
+    m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 40.0, 20.0, 8.0, 100
+    for _ in range(MARGIN_SAMPLES):
+        c.observe(1.2 * m.predict(1, 1) / 1e3, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))
+    for _ in range(4 * c.params.window):
+        c.observe(0.040, cap=c.cap(1), shape=StepShape(1, 0, 0, 0))
+    assert c.margin(1) == pytest.approx(1.2) and c.decide(1).rule == "model"
 
 
 def test_tail_margin_holds_the_quantile_over_every_foreground_itl():

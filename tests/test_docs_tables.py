@@ -142,3 +142,27 @@ def test_report_docs_draws_and_checks_the_tables(tmp_path, monkeypatch):
     readme.write_text(text.replace("7.5", "6.5"))
     checked = runner.invoke(report, ["--check-docs"])
     assert checked.exit_code == 1 and "README.md" in checked.output
+
+
+def test_side_by_side_sets_a_variant_arm_beside_the_baselines_one_arm(tmp_path):
+    """`dlfp:turn_first=false` from this build is set beside the baseline's `dlfp`; another
+    policy (a fixed cap) is not, and each arm gets its own summary lines."""
+    from dlfp.bench.doc_tables import side_by_side
+
+    def trial(seed: int, policy: str, bg: float, p99: float) -> dict:
+        return {"seed": seed, "policy": policy, "bg_prefill_tok_s_fg_active": bg, "itl_p99_ms": p99,
+                "itl_max_ms": p99 + 10}
+
+    def write(folder: Path, rows: list[dict]) -> None:
+        folder.mkdir()
+        (folder / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "config.json").write_text(json.dumps({"command": "bench", "controller": {"target_ms": 100}}))
+
+    write(tmp_path / "x", [trial(1, "dlfp", 90, 95), trial(1, "dlfp:turn_first=false", 110, 99),
+                           trial(1, "fixed:2", 50, 40)])
+    write(tmp_path / "x-base", [trial(1, "dlfp", 100, 97)])
+    lines = side_by_side(tmp_path / "x", {"controller": {"target_ms": 100}})
+    text = "\n".join(lines)
+    assert "(0.90x)" in text and "(1.10x)" in text and "fixed:2" not in text
+    assert "this build's dlfp / baseline: mean 0.900" in text
+    assert "this build's dlfp:turn_first=false / baseline: mean 1.100" in text

@@ -339,35 +339,45 @@ def slots(folder: Path, cfg: dict) -> list[str]:
 def side_by_side(folder: Path, cfg: dict) -> list[str]:
     """One policy from two builds on the same seeds: `folder` (this build) beside `folder`-base (a
     baseline build's run of the same command), per seed: P99 ITL (worst phase where the workload
-    has phases), worst ITL, background prompt tokens per second beside the foreground."""
+    has phases), worst ITL, background prompt tokens per second beside the foreground. Each arm
+    is set beside the baseline's arm of its name, else beside the baseline's one arm (a variant
+    of this build's policy, `dlfp:turn_first=false`, against the baseline's `dlfp`)."""
     base_folder = folder.parent / (folder.name + "-base")
     rows, base_rows = _rows(folder), _rows(base_folder)
     target = target_ms(cfg)
     base = {(r["seed"], r["policy"]): r for r in base_rows}
+    base_arms = {r["policy"] for r in base_rows}
+    only = next(iter(base_arms)) if len(base_arms) == 1 else None
     out = _header(["seed", "arm", "P99 ITL (ms) baseline / this", "worst phase P99 (ms) baseline / this",
                    "worst ITL (ms) baseline / this", "bg tok/s baseline / this (ratio)"], 2)
-    ratios, worst_p99, worst_itl = [], [], []
-    for r in sorted(rows, key=lambda r: (r["seed"], r["policy"])):
+    arms = _arms(rows, cfg)
+    per_arm: dict[str, dict[str, list]] = {}
+    for r in sorted(rows, key=lambda r: (r["seed"], arms.index(r["policy"]))):
         b = base.get((r["seed"], r["policy"]))
+        if b is None and only is not None and r["policy"].startswith(only + ":"):
+            b = base.get((r["seed"], only))
         if b is None:
             continue
         x, bx = r["bg_prefill_tok_s_fg_active"], b["bg_prefill_tok_s_fg_active"]
         ratio = x / bx if x is not None and bx else None
-        ratios += [ratio] if ratio is not None else []
-        worst_p99.append(worst_phase_p99(r))
-        worst_itl.append(r["itl_max_ms"])
+        mine = per_arm.setdefault(r["policy"], {"ratios": [], "p99": [], "itl": []})
+        mine["ratios"] += [ratio] if ratio is not None else []
+        mine["p99"].append(worst_phase_p99(r))
+        mine["itl"].append(r["itl_max_ms"])
         out.append(_row([r["seed"], r["policy"], f"{_n(b['itl_p99_ms'])} / {_n(r['itl_p99_ms'])}",
                          f"{_n(worst_phase_p99(b))} / {_n(worst_phase_p99(r))}", f"{_n(b['itl_max_ms'])} / {_n(r['itl_max_ms'])}",
                          f"{_n(bx)} / {_n(x)}" + ("" if ratio is None else f" ({ratio:.2f}x)")]))
     out.append("")
-    if target and worst_p99:
-        out.append(f"- this build: worst P99 in any trial and phase {_n(max(worst_p99))} ms "
-                   f"({'within' if max(worst_p99) <= target * TARGET_TOLERANCE else 'over'} 1.1 T = "
-                   f"{_n(target * TARGET_TOLERANCE, 0)} ms); worst ITL {_n(max(worst_itl))} ms "
-                   f"({'within' if max(worst_itl) <= 2 * target else 'over'} 2 T).")
-    if ratios:
-        out.append(f"- background throughput, this build / baseline: mean {sum(ratios) / len(ratios):.3f}, "
-                   f"lowest {min(ratios):.3f} over {len(ratios)} trials.")
+    for arm, m in per_arm.items():
+        who = "this build" if len(per_arm) == 1 else f"this build's {arm}"
+        if target and m["p99"]:
+            out.append(f"- {who}: worst P99 in any trial and phase {_n(max(m['p99']))} ms "
+                       f"({'within' if max(m['p99']) <= target * TARGET_TOLERANCE else 'over'} 1.1 T = "
+                       f"{_n(target * TARGET_TOLERANCE, 0)} ms); worst ITL {_n(max(m['itl']))} ms "
+                       f"({'within' if max(m['itl']) <= 2 * target else 'over'} 2 T).")
+        if m["ratios"]:
+            out.append(f"- background throughput, {who} / baseline: mean {sum(m['ratios']) / len(m['ratios']):.3f}, "
+                       f"lowest {min(m['ratios']):.3f} over {len(m['ratios'])} trials.")
     out.append(f"- the baseline's {source_line(str(base_folder.relative_to(base_folder.parent.parent)), load_config(base_folder))}")
     return out
 
