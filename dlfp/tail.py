@@ -130,10 +130,9 @@ class TailDLFP(PrefillPolicy):
         planned = self._fitting(d, margin)
         largest = max((s.tokens for s in self._window), default=0)
         if margin < 1 and planned > largest:
-            # A margin under 1 (the model over-predicts) was measured on the window's chunks; a
-            # larger chunk lies where the model's error is unknown: planned at a margin of 1 there.
-            # (Neighbour seed 1043: 0.67 learned on 2-token chunks after a thread change let a
-            # 22-token chunk in, cut at 1.25 T.)
+            # A margin under 1 (the model over-predicts) holds for the chunks it was measured on;
+            # past them the model's error is not known, and may run the other way
+            # (docs/controller.md, rule `measured`): planned at a margin of 1 there.
             at_one = self._fitting(d, 1.0)
             if at_one < largest:  # the largest measured chunk still fits under the learned margin
                 return max(p.minimum, largest // p.quantum * p.quantum), "measured", margin
@@ -193,9 +192,8 @@ class TailDLFP(PrefillPolicy):
         late = cut or ms > self._target_ms
         self._missed = ms / predicted if predicted and late else None
         # A decode-only step with nothing waiting (the cap allowed prompt tokens, none ran) says
-        # nothing of a chunk, and the cap decided nothing in it: a chat streaming alone would age
-        # every ratio out of the window (laptop seed 1041: 189 such steps, then 32 chunk steps
-        # at the prior margin). A held step (cap 0) is the cap's doing: it ages the window.
+        # nothing of a chunk, and the cap decided nothing in it: a chat streaming alone would
+        # age every ratio out of the window. A held step (cap 0) is the cap's doing: it ages it.
         idle = n == 0 and cap != 0
         if not idle and (n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL)):
             self._window.append(Measured(d, n, ms / predicted if n else None, itls, late))
