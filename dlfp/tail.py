@@ -128,8 +128,7 @@ class TailDLFP(PrefillPolicy):
         if not self.model.plannable:
             return p.initial, "initial", margin
         planned = self._fitting(d, margin)
-        largest = max((s.tokens for s in self._window), default=0)
-        if margin < 1 and planned > largest:
+        if margin < 1 and planned > (largest := max((s.tokens for s in self._window), default=0)):
             # A margin under 1 (the model over-predicts) holds for the chunks it was measured on;
             # past them the model's error is not known, and may run the other way
             # (docs/controller.md, rule `measured`): planned at a margin of 1 there.
