@@ -57,7 +57,7 @@ RULES = {
     "prior": "planned from the decode-only steps before a prompt token was measured (at most initial)",
     "model": "the largest chunk whose predicted time times the margin meets the target",
     "minimum": "not even the minimum chunk fits, and background may not be held out",
-    "measured": "the largest chunk the margin's window measured: a margin under 1 is trusted no further, and a larger chunk at the spread (margin over median ratio, at least 1) does not fit",
+    "measured": "the largest chunk the margin's window measured: a margin under 1 is trusted no further, and a larger chunk at a margin of 1 does not fit",
     "miss": "the last step missed the target: the model's chunk at that step's own measured / predicted ratio",
     "wait": "a new turn's prompt waits: not even its minimum chunk fits beside the streaming chats, whose targets come first",
     "hold": "not even the minimum chunk fits: background prompt tokens are held out (cap 0)",

@@ -7,8 +7,7 @@ chunk steps with d decodes (else all of them, else `prior_spread`) that holds `q
 the window's foreground ITLs, held decode-only steps' too (the cap cannot shrink those: no
 ratio; a decode-only step with nothing waiting stays out of the window).
 A margin under 1 holds only for chunks up to the largest the window measured; past it the
-margin is the spread (the margin over the median ratio, at least 1), and where nothing
-larger fits at it the cap is that largest chunk ("measured").
+margin is 1, and where nothing larger fits at 1 the cap is that largest chunk ("measured").
 No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one step in
 `probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
 that missed T by more than the margin plans the next at its own ratio ("miss": the window
@@ -131,15 +130,12 @@ class TailDLFP(PrefillPolicy):
         planned = self._fitting(d, margin)
         if margin < 1 and planned > (largest := max((s.tokens for s in self._window), default=0)):
             # A margin under 1 (the model over-predicts) holds for the chunks it was measured on;
-            # past them the model's bias is not known, and may run the other way: planned at the
-            # spread alone there, the margin over the median ratio, at least 1 (docs/controller.md,
-            # rule `measured`).
-            learned = self._learned(d)
-            spread = max(1.0, margin / learned[1]) if learned else 1.0
-            past = self._fitting(d, spread)
-            if past < largest:  # the largest measured chunk still fits under the learned margin
+            # past them the model's error is not known, and may run the other way
+            # (docs/controller.md, rule `measured`): planned at a margin of 1 there.
+            at_one = self._fitting(d, 1.0)
+            if at_one < largest:  # the largest measured chunk still fits under the learned margin
                 return max(p.minimum, largest // p.quantum * p.quantum), "measured", margin
-            planned, margin = past, spread
+            planned, margin = at_one, 1.0
         if not planned:
             return (0, "hold", margin) if p.zero_cap else (p.minimum, "minimum", margin)
         # The prior errs far small on a GPU, never large enough to trust above `initial`.
@@ -156,12 +152,7 @@ class TailDLFP(PrefillPolicy):
         """The ratio chunk steps exceed on 1 - q of the window's ITLs less the late decode-only
         steps' ones. Over the steps with `n_decode` decodes, else over all steps times their
         median ratio over all steps' (once BIAS_SAMPLES measured it), else the prior."""
-        learned = self._learned(self._decodes if n_decode is None else n_decode)
-        return self.params.prior_spread if learned is None else learned[0]
-
-    def _learned(self, d: int) -> tuple[float, float] | None:
-        """`margin(d)` as learned, and the median ratio it holds (its bias: margin / median is
-        the spread); None before MARGIN_SAMPLES chunk steps."""
+        d = self._decodes if n_decode is None else n_decode
         same = [s for s in self._window if s.decodes == d]
         for steps in (same, self._window):
             chunks = [s for s in steps if s.ratio is not None]
@@ -172,13 +163,11 @@ class TailDLFP(PrefillPolicy):
                 # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
                 margin = float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
                                            method="inverted_cdf"))
-                median = float(np.median([s.ratio for s in chunks]))
                 mine = [s.ratio for s in same if s.ratio is not None]
                 if steps is same or len(mine) < BIAS_SAMPLES:
-                    return margin, median
-                bias = float(np.median(mine))
-                return margin * bias / median, bias
-        return None
+                    return margin
+                return margin * float(np.median(mine) / np.median([s.ratio for s in chunks]))
+        return self.params.prior_spread
 
     def _misses(self, d: int, fresh: bool = False) -> bool:
         """Even the minimum chunk's typical step (no margin) is predicted above T; `fresh`: by a
