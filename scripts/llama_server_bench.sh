@@ -78,6 +78,9 @@ if [ "$LLAMA_SERVER" = 1 ] || [ "$BUILD_ONLY" = 1 ]; then
   [ "$BUILD_ONLY" = 1 ] && { echo "$BIN"; exit 0; }
 fi
 
+# `dlfp serve` needs the server extra: say so now, not after llama-server has started.
+"$PY" -c 'import fastapi, uvicorn' 2>/dev/null \
+  || fail "dlfp serve needs the server extra: $(dirname "$PY")/pip install -e '.[server]'"
 MODEL=${MODEL:-$("$PY" -c 'from dlfp.models import default_model_path; print(default_model_path())')}
 THREADS=${THREADS:-$("$PY" -c 'from dlfp.protocol import physical_cores; print(physical_cores())')}
 mkdir -p "$OUT"
