@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from dlfp.bench.paired import goodput_summary, paired_table
+from dlfp.bench.paired import background_metric, goodput_summary, paired_table
 from dlfp.metrics import goals_met
 from dlfp.observer import StepObserver
 from dlfp.protocol import TIMING_SYNC_WALL, Capabilities
@@ -139,6 +139,21 @@ def test_the_goodput_frontier_is_no_arm_better_on_both_goodput_and_background():
     assert g["trials"]["2"]["frontier"] == ["unbounded", "fixed:2"]  # dlfp beaten on both by fixed:2
     assert (g["arms"]["dlfp"]["on_frontier"], g["arms"]["dlfp"]["highest"]) == (1, 1)
     assert g["verdict"] == "dlfp on the goodput frontier in 1 of 2 trials; goodput at least every other arm's in 1 of 2"
+
+
+def test_the_frontier_weighs_background_loaded_while_a_chat_streams_where_every_arm_reports_it():
+    # Every arm's documents finished within the trial: the client's rate ties them to a
+    # rounding, and the frontier would be goodput alone (runs/2026-12-05-law-mixed-goals
+    # seed 802: fixed:2 24.9 tok/s while a chat streamed, dlfp 65.9; 72.5 and 72.4 client side).
+    rows = [{"seed": 1, "policy": p, "goodput": g, "bg_prompt_tok_s_client": c, "bg_prefill_tok_s_fg_active": x}
+            for p, g, c, x in [("fixed:2", 1.0, 72.5, 24.9), ("dlfp", 0.9, 72.4, 65.9)]]
+    assert goodput_summary(rows, ["fixed:2", "dlfp"], "bg_prompt_tok_s_client")["trials"]["1"]["frontier"] == ["fixed:2"]
+    assert background_metric(rows) == "bg_prefill_tok_s_fg_active"
+    g = goodput_summary(rows, ["fixed:2", "dlfp"], background_metric(rows))
+    assert g["trials"]["1"]["frontier"] == ["fixed:2", "dlfp"]
+    rows.append({"seed": 1, "policy": "llama-server", "goodput": 0.5, "bg_prompt_tok_s_client": 90.0,
+                 "bg_prefill_tok_s_fg_active": None})  # an endpoint: no step trace
+    assert background_metric(rows) == "bg_prompt_tok_s_client"
 
 
 def test_the_mixed_goal_workload_sends_each_request_its_own_goals():

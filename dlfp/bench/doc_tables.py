@@ -21,7 +21,8 @@ from pathlib import Path
 from statistics import median
 from typing import Callable
 
-from dlfp.bench.paired import TARGET_TOLERANCE, goodput_summary, sweep_summary, worst_phase_p99
+from dlfp.bench.paired import (FG_ACTIVE_BG, TARGET_TOLERANCE, background_metric, goodput_summary, sweep_summary,
+                               worst_phase_p99)
 from dlfp.runs import load_config
 from dlfp.stats import paired_changes, t_interval
 
@@ -384,11 +385,14 @@ def side_by_side(folder: Path, cfg: dict) -> list[str]:
 
 def goodput(folder: Path, cfg: dict) -> list[str]:
     """Per seed and arm: requests that met their own goals, beside P99 ITL, TTFT and background
-    work (client side, so endpoints count); the arms on the goodput frontier; each arm's mean."""
+    work (`background_metric`: while a chat streams, or client side where endpoints ran); the
+    arms on the goodput frontier; each arm's mean."""
     rows = _rows(folder)
     arms = _arms(rows, cfg)
-    g = goodput_summary(rows, arms, "bg_prompt_tok_s_client")
-    out = _header(["seed", "arm", "goals met", "ITL P99 (ms)", "TTFT P99 (s)", "bg prompt tok/s (client)",
+    x = background_metric(rows)
+    g = goodput_summary(rows, arms, x)
+    out = _header(["seed", "arm", "goals met", "ITL P99 (ms)", "TTFT P99 (s)",
+                   "bg tok/s while a chat streams" if x == FG_ACTIVE_BG else "bg prompt tok/s (client)",
                    "on the goodput frontier"], 2)
     for r in sorted(rows, key=lambda r: (r["seed"], arms.index(r["policy"]))):
         n = round(r["goals_met"] / r["goodput"]) if r.get("goodput") else None
@@ -396,7 +400,7 @@ def goodput(folder: Path, cfg: dict) -> list[str]:
         frontier = r["policy"] in g["trials"][str(r["seed"])]["frontier"] if g else None
         ttft = r.get("ttft_p99_ms")
         out.append(_row([r["seed"], r["policy"], met, _n(r["itl_p99_ms"]), _n(None if ttft is None else ttft / 1e3),
-                         _n(r.get("bg_prompt_tok_s_client")), _n(frontier)]))
+                         _n(r.get(x)), _n(frontier)]))
     if g:
         out.append("")
         for arm, a in g["arms"].items():

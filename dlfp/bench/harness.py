@@ -14,7 +14,7 @@ from typing import Callable
 
 from dlfp.bench.analysis import output_agreement, trial_row
 from dlfp.bench.config import BenchArgs, build_config
-from dlfp.bench.paired import goodput_summary, paired_table, sweep_summary
+from dlfp.bench.paired import background_metric, goodput_summary, paired_table, sweep_summary
 from dlfp.bench.runner import Arm, run_trial
 from dlfp.bench.target import EngineTarget
 from dlfp.policy import params_to_dict
@@ -198,8 +198,7 @@ def summarize(bench: Bench, agreement: dict) -> dict:
         "paired": paired_table(bench.rows, names, bench.args.seeds, bench.spec.gate, agreement),
         "agreement": {str(s): a for s, a in agreement.items()},
         "sweep": sweep_summary(bench.rows, names, x_metric, bench.itl_target_ms),
-        # Background work as every arm's client sees it (endpoints have no step trace).
-        "goodput": goodput_summary(bench.rows, names, "bg_prompt_tok_s_client"),
+        "goodput": goodput_summary(bench.rows, names, background_metric(bench.rows)),
     }
 
 

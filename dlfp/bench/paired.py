@@ -201,6 +201,18 @@ def _sweep_point(rows: list[dict], arm: str, x_metric: str, bound: float | None)
     }
 
 
+FG_ACTIVE_BG, CLIENT_BG = "bg_prefill_tok_s_fg_active", "bg_prompt_tok_s_client"
+
+
+def background_metric(rows: list[dict]) -> str:
+    """The background throughput the goodput frontier weighs: prompt tokens loaded while a
+    foreground request is in flight where every arm reports it (in-process runs: the work a
+    cap trades for the chats' goals), else completed background prompts per second as the
+    client sees them (endpoints report only that). The client's rate alone ties every arm
+    whose documents all finish within the trial."""
+    return FG_ACTIVE_BG if rows and all(r.get(FG_ACTIVE_BG) is not None for r in rows) else CLIENT_BG
+
+
 def goodput_summary(rows: list[dict], arms: list[str], x_metric: str) -> dict | None:
     """Goodput (foreground requests that met their own goals) per arm and trial, beside
     background throughput; the goodput frontier per trial: the arms no other arm beats on
