@@ -6,8 +6,9 @@ maximum]) with predict(n, d) * margin(d) <= T. `predict`: the step-cost model
 chunk steps with d decodes (else all of them, else `prior_spread`) that holds `quantile` of
 the window's foreground ITLs, held decode-only steps' too (the cap cannot shrink those: no
 ratio; a decode-only step with nothing waiting stays out of the window).
-A margin under 1 holds only for chunks up to the largest the window measured; past it the
-margin is 1, and where nothing larger fits at 1 the cap is that largest chunk ("measured").
+A margin under 1 holds only for chunks up to the largest measured by the steps that set it
+(those with d decodes where they shifted it, else the window's); past it the margin is 1,
+and where nothing larger fits at 1 the cap is that largest chunk ("measured").
 No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one step in
 `probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
 that missed T by more than the margin plans the next at its own ratio ("miss": the window
@@ -128,7 +129,7 @@ class TailDLFP(PrefillPolicy):
         if not self.model.plannable:
             return p.initial, "initial", margin
         planned = self._fitting(d, margin)
-        if margin < 1 and planned > (largest := max((s.tokens for s in self._window), default=0)):
+        if margin < 1 and planned > (largest := self._largest_measured(d)):
             # A margin under 1 (the model over-predicts) holds for the chunks it was measured on;
             # past them the model's error is not known, and may run the other way
             # (docs/controller.md, rule `measured`): planned at a margin of 1 there.
@@ -140,6 +141,14 @@ class TailDLFP(PrefillPolicy):
             return (0, "hold", margin) if p.zero_cap else (p.minimum, "minimum", margin)
         # The prior errs far small on a GPU, never large enough to trust above `initial`.
         return (planned, "model", margin) if self.model.ready else (min(planned, p.initial), "prior", margin)
+
+    def _largest_measured(self, d: int) -> int:
+        """The largest chunk among the steps whose ratios set `margin(d)`: those with `d` decodes
+        where BIAS_SAMPLES of them shaped it (three 2-token chunks at 0.65x scaled a 1.29 margin
+        to 0.80 for a 15-token chunk, which ran at its prediction: neighbour seed 1111), else
+        the whole window's."""
+        same = [s.tokens for s in self._window if s.decodes == d and s.ratio is not None]
+        return max(same if len(same) >= BIAS_SAMPLES else [s.tokens for s in self._window], default=0)
 
     def _fitting(self, d: int, margin: float) -> int:
         """The largest chunk (a quantum multiple up to `maximum`) whose prediction times the margin

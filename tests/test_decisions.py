@@ -187,6 +187,22 @@ def test_rule_measured_a_margin_under_1_holds_only_up_to_the_largest_chunk_measu
     assert d.predicted_ms * d.margin <= 100.0 < d.predicted_ms
 
 
+def test_rule_measured_counts_the_chunks_of_the_decode_count_whose_ratios_set_the_margin():
+    """Neighbour seed 1111 on one thread: three 2-token chunks beside two decodes ran at 0.65x
+    the pooled ratio and scaled the margin for two decodes under 1; a 15-token chunk planned at
+    it ran at its prediction, 122 ms. The window's larger chunks were measured at one decode."""
+    from dlfp.tail import BIAS_SAMPLES
+    c = taught(seq=16.0, token=4.5, forgetting=1.0)  # two decodes: 20 + 16 + 16 + 4.5 (n - 1)
+    for _ in range(MARGIN_SAMPLES):
+        c.observe(1.2 * c.model.predict(24, 1) / 1e3, cap=24, shape=StepShape(1, 24, 0, 0, n_chunks=1))
+    for _ in range(BIAS_SAMPLES):
+        c.observe(0.78 * c.model.predict(2, 2) / 1e3, cap=2, shape=StepShape(2, 2, 0, 0, n_chunks=1))
+    assert c.margin(2) == pytest.approx(0.78)
+    d = c.decide(2)  # <= 100 / 0.78: n = 17, past the 2 tokens measured beside two decodes; <= 100: 11
+    assert (d.cap, d.rule, d.margin) == (11, "model", 1.0)
+    assert c.decide(1).margin == pytest.approx(1.2)  # one decode: its own 24-token chunks
+
+
 def test_a_decision_with_prompt_tokens_names_its_cut_deadline():
     # cut_at x the step's target; none for a cap of 0 (nothing to cut) or where cut_at is None.
     p = TailDLFP(CPU)
