@@ -143,10 +143,9 @@ class TailDLFP(PrefillPolicy):
         return (planned, "model", margin) if self.model.ready else (min(planned, p.initial), "prior", margin)
 
     def _largest_measured(self, d: int) -> int:
-        """The largest chunk among the steps whose ratios set `margin(d)`: those with `d` decodes
-        where BIAS_SAMPLES of them shaped it (three 2-token chunks at 0.65x scaled a 1.29 margin
-        to 0.80 for a 15-token chunk, which ran at its prediction: neighbour seed 1111), else
-        the whole window's."""
+        """The largest chunk among the steps whose ratios set `margin(d)`: the chunk steps with `d`
+        decodes where BIAS_SAMPLES of them shifted it, else the whole window's. Small chunks'
+        ratios say nothing of a larger chunk's (docs/controller.md, rule `measured`)."""
         same = [s.tokens for s in self._window if s.decodes == d and s.ratio is not None]
         return max(same if len(same) >= BIAS_SAMPLES else [s.tokens for s in self._window], default=0)
 

@@ -144,6 +144,14 @@ def test_report_docs_draws_and_checks_the_tables(tmp_path, monkeypatch):
     assert checked.exit_code == 1 and "README.md" in checked.output
 
 
+def test_a_sweep_table_of_a_run_without_fixed_caps_is_a_clear_error(tmp_path, monkeypatch):
+    readme = _fake_checkout(tmp_path)  # arms a and b: neither dlfp nor a fixed cap
+    readme.write_text(readme.read_text().replace(" trials -->", " sweep -->"))
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(report, ["--docs"])
+    assert out.exit_code != 0 and "a sweep needs dlfp and a fixed:N arm (arms: a, b)" in out.output
+
+
 def test_side_by_side_sets_a_variant_arm_beside_the_baselines_one_arm(tmp_path):
     """`dlfp:turn_first=false` from this build is set beside the baseline's `dlfp`; another
     policy (a fixed cap) is not, and each arm gets its own summary lines."""

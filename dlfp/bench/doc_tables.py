@@ -193,7 +193,10 @@ def sweep(folder: Path, cfg: dict) -> list[str]:
     """A sweep of fixed caps beside dlfp: per trial P99 / worst ITL / bg tok/s, then means and the verdict."""
     rows = _rows(folder)
     target = target_ms(cfg)
-    s = sweep_summary(rows, _arms(rows, cfg), "bg_prefill_tok_s_fg_active", target)
+    arms = _arms(rows, cfg)
+    s = sweep_summary(rows, arms, "bg_prefill_tok_s_fg_active", target)
+    if s is None:
+        raise ValueError(f"{folder.name}: a sweep needs dlfp and a fixed:N arm (arms: {', '.join(arms)})")
     seeds = _seeds(rows)
     by = {(r["seed"], r["policy"]): r for r in rows}
     out = _header(["arm", *[f"seed {x}" for x in seeds], "P99 mean [95% CI]", "worst P99 / worst ITL",
