@@ -143,11 +143,16 @@ class TailDLFP(PrefillPolicy):
         return (planned, "model", margin) if self.model.ready else (min(planned, p.initial), "prior", margin)
 
     def _largest_measured(self, d: int) -> int:
-        """The largest chunk among the steps whose ratios set `margin(d)`: the chunk steps with `d`
-        decodes where BIAS_SAMPLES of them shifted it, else the whole window's. Small chunks'
-        ratios say nothing of a larger chunk's (docs/controller.md, rule `measured`)."""
-        same = [s.tokens for s in self._window if s.decodes == d and s.ratio is not None]
-        return max(same if len(same) >= BIAS_SAMPLES else [s.tokens for s in self._window], default=0)
+        """The largest chunk among the steps whose ratios set `margin(d)`: `_own_chunks(d)`, else
+        the whole window's. Small chunks' ratios say nothing of a larger chunk's
+        (docs/controller.md, rule `measured`)."""
+        return max((s.tokens for s in self._own_chunks(d) or self._window), default=0)
+
+    def _own_chunks(self, d: int) -> list[Measured]:
+        """The window's chunk steps with `d` decodes where BIAS_SAMPLES of them shape `margin(d)`
+        (empty: the pooled window's ratios set it alone)."""
+        own = [s for s in self._window if s.decodes == d and s.ratio is not None]
+        return own if len(own) >= BIAS_SAMPLES else []
 
     def _fitting(self, d: int, margin: float) -> int:
         """The largest chunk (a quantum multiple up to `maximum`) whose prediction times the margin
@@ -171,8 +176,8 @@ class TailDLFP(PrefillPolicy):
                 # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
                 margin = float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
                                            method="inverted_cdf"))
-                mine = [s.ratio for s in same if s.ratio is not None]
-                if steps is same or len(mine) < BIAS_SAMPLES:
+                mine = [s.ratio for s in self._own_chunks(d)]
+                if steps is same or not mine:
                     return margin
                 return margin * float(np.median(mine) / np.median([s.ratio for s in chunks]))
         return self.params.prior_spread
