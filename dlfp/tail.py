@@ -176,8 +176,7 @@ class TailDLFP(PrefillPolicy):
                 # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
                 margin = float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
                                            method="inverted_cdf"))
-                mine = [s.ratio for s in self._own_chunks(d)]
-                if steps is same or not mine:
+                if steps is same or not (mine := [s.ratio for s in self._own_chunks(d)]):
                     return margin
                 return margin * float(np.median(mine) / np.median([s.ratio for s in chunks]))
         return self.params.prior_spread
