@@ -4,15 +4,11 @@
 
 m sequences (d decodes, c prompt chunks), n prompt tokens at mean position p; a: one decode
 alone; s: one more sequence of one token; t: one more token of a chunk at position 0; k: what
-each position of context adds to a prompt token's cost, as a share of t (its attention).
-a, s and t are exponentially weighted averages of the steps that measure each given the
-others (a: decode-only steps with one decode; s: steps whose extra sequences carry one
-token; t: longer chunks), so they follow a device within a few steps. k is the last
-coefficient over the second of a slow weighted least-squares fit of the whole law to the
-chunk steps, which sees s, t and t k together (it needs no step that measures s alone, and
-until one comes its s prices the pass). Before a decode-only step a = 0 (the paper's law);
-before a prompt token s = t = a (the prior). docs/controller.md says why each part is there.
-Units: ms and tokens.
+each position adds to a prompt token's cost, as a share of t. a, s, t: exponentially weighted
+averages of the steps that measure each (they follow a device within a few steps); k: a slow
+weighted least-squares fit of the law to the chunk steps. Before a decode-only step a = 0 (the
+paper's law); before a prompt token s = t = a (the prior). docs/controller.md says why each
+part is there. Units: ms and tokens.
 """
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """The tail-aware controller (`dlfp`): one cost model times one learned margin.
 
 A guarded step with d decodes gets the largest chunk n (a quantum multiple in [minimum,
-maximum]) with predict(n, d) * margin(d) <= T. `predict`: the step-cost model
-(dlfp/stepcost.py). `margin(d)`: the quantile of measured / predicted over the window's
-chunk steps with d decodes (else all of them, else `prior_spread`) that holds `quantile` of
-the window's foreground ITLs, held decode-only steps' too (the cap cannot shrink those: no
-ratio; a decode-only step with nothing waiting stays out of the window).
-A margin under 1 holds only for chunks up to the largest measured by the steps that set it
-(those with d decodes where they shifted it, else the window's); past it the margin is 1,
-and where nothing larger fits at 1 the cap is that largest chunk ("measured").
-No minimum fits: 0 ("hold") if `zero_cap`, else the minimum; while held, one step in
-`probe_every` carries the minimum ("probe") unless a fresh model predicts it above T. A step
-that missed T by more than the margin plans the next at its own ratio ("miss": the window
-learns a sudden slowdown too slowly). Before a prompt token is measured the decode-only
-steps size the chunk ("prior"). A step with prompt tokens still running at `cut_at` x T is
-cut (the engine runs its protected decodes alone, rule "cut"): a late step whose time so far
-is learned as its cost, a bound from below (learned as nothing, a cost that doubled while
-every step was cut at T would stay unlearned, the same chunk planned and cut for good).
+maximum]) with predict(n, d) * margin(d) <= T: `predict` from dlfp/stepcost.py, `margin(d)`
+a quantile of measured / predicted over recent steps. Each rule named in the decision
+record (`model`, `prior`, `initial`, `measured`, `miss`, `hold`, `minimum`, `probe`) is
+stated where it is applied; docs/controller.md gives the measurement behind each.
 """
 from __future__ import annotations
 
@@ -43,13 +31,10 @@ class TailParams(PaperParams):
     prior_spread: float = 1.5  # the margin until enough steps have been measured
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
     probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
-    # A step with prompt tokens still running at cut_at x T is cut (None: never). A reply's own
-    # P99 <= 1.1 T absorbs one ITL up to ~1.25 T, no longer one: such a step has already failed
-    # every reply it ends an ITL of, and a cut there only bounds that ITL.
+    # A step with prompt tokens still running at cut_at x T is cut (None: never): a reply's own
+    # P99 <= 1.1 T absorbs one ITL up to ~1.25 T, so past it the step has failed its replies.
     cut_at: float | None = 1.25
-    # While a new turn's prompt loads beside the streams, background prompts and decodes wait
-    # (dlfp.scheduler.plan): the turn gets the whole setpoint. False: they share the cap, the
-    # turn's prompt first.
+    # A new turn's prompt loads with background held out (dlfp.scheduler.plan); False: shared.
     turn_first: bool = True
 
     def __post_init__(self) -> None:
@@ -102,12 +87,12 @@ class TailDLFP(PrefillPolicy):
         self._position = position or 0
         self._target_ms = (target_s or self.params.target_s) * 1e3  # the margin is a ratio: it holds for any T
         margin = self.margin(d)
+        # "miss": a step that missed T by more than the margin plans the next at its own ratio
+        # (the window learns a sudden slowdown too slowly).
         missed = self._missed is not None and self._missed > margin
-        if missed:  # a step just missed T by more than the margin allows: its own ratio, for one step
-            margin = self._missed
-        cap, rule, margin = self._plan(d, margin)
+        cap, rule, margin = self._plan(d, self._missed if missed else margin)
         rule = "miss" if missed and rule == "model" else rule
-        if cap == 0:
+        if cap == 0:  # "probe": one held step in probe_every carries the minimum, unless sure to miss
             self._held_asks += 1
             if self._held_asks >= self.params.probe_every and not self._misses(d, fresh=True):
                 self._held_asks = 0
@@ -123,48 +108,44 @@ class TailDLFP(PrefillPolicy):
         return self.params.turn_first
 
     def _plan(self, d: int, margin: float) -> tuple[int, str, float]:
-        """The largest chunk whose prediction times the margin meets T, the rule that says so,
-        and the margin it was planned at."""
+        """The cap, the rule that set it, and the margin it was planned at."""
         p = self.params
         if not self.model.plannable:
             return p.initial, "initial", margin
         planned = self._fitting(d, margin)
         if margin < 1 and planned > (largest := self._largest_measured(d)):
-            # A margin under 1 (the model over-predicts) holds for the chunks it was measured on;
-            # past them the model's error is not known, and may run the other way
-            # (docs/controller.md, rule `measured`): planned at a margin of 1 there.
+            # "measured": a margin under 1 holds for the chunk sizes that measured it; past them
+            # the model's error is unknown and may run the other way, so they plan at 1.
             at_one = self._fitting(d, 1.0)
             if at_one < largest:  # the largest measured chunk still fits under the learned margin
                 return max(p.minimum, largest // p.quantum * p.quantum), "measured", margin
             planned, margin = at_one, 1.0
         if not planned:
             return (0, "hold", margin) if p.zero_cap else (p.minimum, "minimum", margin)
-        # The prior errs far small on a GPU, never large enough to trust above `initial`.
+        # "prior": no prompt token measured yet; the prior errs far small on a GPU, so at most `initial`.
         return (planned, "model", margin) if self.model.ready else (min(planned, p.initial), "prior", margin)
 
     def _largest_measured(self, d: int) -> int:
-        """The largest chunk among the steps whose ratios set `margin(d)`: `_own_chunks(d)`, else
-        the whole window's. Small chunks' ratios say nothing of a larger chunk's
-        (docs/controller.md, rule `measured`)."""
+        """The largest chunk among the steps whose ratios set `margin(d)`."""
         return max((s.tokens for s in self._own_chunks(d) or self._window), default=0)
 
     def _own_chunks(self, d: int) -> list[Measured]:
-        """The window's chunk steps with `d` decodes where BIAS_SAMPLES of them shape `margin(d)`
-        (empty: the pooled window's ratios set it alone)."""
+        """The window's chunk steps with `d` decodes, where there are enough to shape `margin(d)`."""
         own = [s for s in self._window if s.decodes == d and s.ratio is not None]
         return own if len(own) >= BIAS_SAMPLES else []
 
     def _fitting(self, d: int, margin: float) -> int:
-        """The largest chunk (a quantum multiple up to `maximum`) whose prediction times the margin
-        meets T; 0 where not even the minimum does."""
+        """The largest quantum multiple up to `maximum` whose prediction times the margin meets T;
+        0 where not even the minimum does."""
         p = self.params
         room = self.model.tokens_within(self._target_ms / margin, d, self._position)
         return 0 if room < p.minimum else max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
 
     def margin(self, n_decode: int | None = None) -> float:
-        """The ratio chunk steps exceed on 1 - q of the window's ITLs less the late decode-only
-        steps' ones. Over the steps with `n_decode` decodes, else over all steps times their
-        median ratio over all steps' (once BIAS_SAMPLES measured it), else the prior."""
+        """The chunk steps' ratio that lets 1 - q of the window's ITLs run over, less those of late
+        decode-only steps (held: no cap shrinks them). Over the steps with `n_decode` decodes,
+        else over all steps times their median ratio over all steps' (once BIAS_SAMPLES
+        measured it), else the prior."""
         d = self._decodes if n_decode is None else n_decode
         same = [s for s in self._window if s.decodes == d]
         for steps in (same, self._window):
@@ -182,19 +163,19 @@ class TailDLFP(PrefillPolicy):
         return self.params.prior_spread
 
     def _misses(self, d: int, fresh: bool = False) -> bool:
-        """Even the minimum chunk's typical step (no margin) is predicted above T; `fresh`: by a
-        pass measured within `probe_every` steps (a stale one must not keep background out for
-        good after a neighbour leaves: probes refresh it)."""
+        """The minimum chunk's step, with no margin, is predicted above T; `fresh`: by a pass
+        measured within `probe_every` steps (a stale one must not hold background out for good)."""
         m, expected = self.model, self.model.predict(self.params.minimum, d, self._position)
         stale = fresh and (m.seq_measured_at is None or m.n_obs - m.seq_measured_at >= self.params.probe_every)
         return not stale and expected is not None and expected > self._target_ms
 
     def observe(self, latency_s: float, cap: int | None = None, shape: StepShape | None = None,
                 cut: bool = False) -> None:
+        """Learn a completed step. A cut step's time so far is its cost, a bound from below."""
         n = shape.n_prefill if shape is not None else cap
         if latency_s <= 0 or n is None or n < 0:
             return  # nothing to learn from
-        if shape is not None and shape.n_decode > 0:  # else (unknown, or none beside a budgeted chunk): as before
+        if shape is not None and shape.n_decode > 0:
             self._decodes = shape.n_decode
         d, ms, itls = self._decodes, latency_s * 1e3, shape.itls if shape is not None else 1
         x = shape.mean_prefill_position if shape is not None else 0.0
@@ -202,9 +183,8 @@ class TailDLFP(PrefillPolicy):
         predicted = self.model.predict(n, d, x) if self.model.ready or n == 0 else None
         late = cut or ms > self._target_ms
         self._missed = ms / predicted if predicted and late else None
-        # A decode-only step with nothing waiting (the cap allowed prompt tokens, none ran) says
-        # nothing of a chunk, and the cap decided nothing in it: a chat streaming alone would
-        # age every ratio out of the window. A held step (cap 0) is the cap's doing: it ages it.
+        # A decode-only step with nothing waiting (cap not 0, no prompt token ran) is not the
+        # cap's doing: kept out, or a chat streaming alone would age every ratio away.
         idle = n == 0 and cap != 0
         if not idle and (n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL)):
             self._window.append(Measured(d, n, ms / predicted if n else None, itls, late))
@@ -214,9 +194,9 @@ class TailDLFP(PrefillPolicy):
         self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept
 
     def device_changed(self, cost_factor: float | None = None) -> None:
-        # Each speed's model and window are kept for a return to it (thread counts flap; scaling
-        # at every change ratcheted). A new speed: the costs times the factor (more threads: the
-        # old costs, the next steps teach the speed-up) and a fresh window; no factor: afresh.
+        # Each speed keeps its model and window for a return to it (scaling at every change
+        # ratcheted). A new speed: the costs times the factor (never scaled down: threads rarely
+        # scale perfectly) and a fresh window; no factor: learned afresh.
         fresh = deque(maxlen=self.params.window)
         if not (cost_factor and cost_factor > 0):
             self._speeds.clear()
