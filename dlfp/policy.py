@@ -59,6 +59,7 @@ RULES = {
     "minimum": "not even the minimum chunk fits, and background may not be held out",
     "measured": "the largest chunk the margin's window measured: a margin under 1 is trusted no further, and a larger chunk at a margin of 1 does not fit",
     "miss": "the last step missed the target: the model's chunk at that step's own measured / predicted ratio",
+    "faster": "the model's chunk, just after the model was scaled to a faster device (its latest chunk steps ran well under their prediction)",
     "wait": "a new turn's prompt waits: not even its minimum chunk fits beside the streaming chats, whose targets come first",
     "hold": "not even the minimum chunk fits: background prompt tokens are held out (cap 0)",
     "probe": "a minimum chunk while background is held out, to measure whether it fits again",

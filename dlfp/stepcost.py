@@ -89,7 +89,7 @@ class StepCostModel:
         return None if self.base_ms is None else max(0.0, self.base_ms + (n_decode - 1) * self._pass())
 
     def scale(self, factor: float) -> None:
-        """Every cost times `factor` (the device got that much slower); the rest is kept."""
+        """Every cost times `factor` (the device got that much slower, or faster under 1); the rest is kept."""
         self.base_ms, self.seq_ms, self.token_ms = (None if v is None else v * factor
                                                     for v in (self.base_ms, self.seq_ms, self.token_ms))
         self._xy = self._xy * factor  # the fit's costs scale: k, a ratio of two of them, is kept

@@ -3,7 +3,7 @@
 A guarded step with d decodes gets the largest chunk n (a quantum multiple in [minimum,
 maximum]) with predict(n, d) * margin(d) <= T: `predict` from dlfp/stepcost.py, `margin(d)`
 a quantile of measured / predicted over recent steps. Each rule named in the decision
-record (`model`, `prior`, `initial`, `measured`, `miss`, `hold`, `minimum`, `probe`) is
+record (`model`, `prior`, `initial`, `measured`, `miss`, `faster`, `hold`, `minimum`, `probe`) is
 stated where it is applied; docs/controller.md gives the measurement behind each.
 """
 from __future__ import annotations
@@ -36,6 +36,9 @@ class TailParams(PaperParams):
     cut_at: float | None = 1.25
     # A new turn's prompt loads with background held out (dlfp.scheduler.plan); False: shared.
     turn_first: bool = True
+    # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
+    # taken to have got faster and the model is scaled to it (None: never).
+    faster_below: float | None = 0.7
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,7 +47,9 @@ class TailParams(PaperParams):
                                 (0.5 <= self.forgetting <= 1, "forgetting in [0.5, 1]", self.forgetting),
                                 (self.prior_spread >= 1, "prior_spread >= 1", self.prior_spread),
                                 (self.probe_every >= 1, "probe_every >= 1", self.probe_every),
-                                (self.cut_at is None or self.cut_at >= 1, "cut_at >= 1 or None", self.cut_at)):
+                                (self.cut_at is None or self.cut_at >= 1, "cut_at >= 1 or None", self.cut_at),
+                                (self.faster_below is None or 0 < self.faster_below < 1,
+                                 "faster_below in (0, 1) or None", self.faster_below)):
             if not ok:
                 raise ValueError(f"need {need}, got {value}")
 
@@ -52,6 +57,7 @@ class TailParams(PaperParams):
 MARGIN_SAMPLES = 32  # a tail quantile of fewer ratios is their maximum, one unlucky step
 BIAS_SAMPLES = 3  # ratios beside a decode count that shift the pooled margin (held: one per probe)
 YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
+SPEED_STEPS = 8  # chunk steps in a row that tell a faster device from a few lucky steps
 
 
 class Measured(NamedTuple):  # a guarded step in the margin's window
@@ -78,6 +84,7 @@ class TailDLFP(PrefillPolicy):
         self._position = 0  # where the next prompt chunk starts (its tokens' cost grows with it)
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
+        self._faster = False  # the model was scaled to a faster device since the latest decision
         self._target_ms = params.target_s * 1e3  # the target of the latest decision
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
@@ -91,7 +98,9 @@ class TailDLFP(PrefillPolicy):
         # (the window learns a sudden slowdown too slowly).
         missed = self._missed is not None and self._missed > margin
         cap, rule, margin = self._plan(d, self._missed if missed else margin)
-        rule = "miss" if missed and rule == "model" else rule
+        if rule == "model" and (missed or self._faster):
+            rule = "miss" if missed else "faster"
+        self._faster = False
         if cap == 0:  # "probe": one held step in probe_every carries the minimum, unless sure to miss
             self._held_asks += 1
             if self._held_asks >= self.params.probe_every and not self._misses(d, fresh=True):
@@ -189,6 +198,23 @@ class TailDLFP(PrefillPolicy):
         if not idle and (n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL)):
             self._window.append(Measured(d, n, ms / predicted if n else None, itls, late))
         self.model.update(ms, n, d, shape.n_chunks if shape is not None else None, x)
+        self._follow_speed_up()
+
+    def _follow_speed_up(self) -> None:
+        """"faster": where the latest SPEED_STEPS steps in the window all carried prompt tokens
+        and ran at a median ratio under `faster_below`, the device got faster than the model can
+        learn (one-token chunks beside one decode measure a + s together, never a alone): the
+        model is scaled by that ratio and the window's ratios by its inverse, so the margin keeps
+        the device's spread about the faster model."""
+        recent = list(self._window)[-SPEED_STEPS:]
+        if self.params.faster_below is None or len(recent) < SPEED_STEPS or any(s.ratio is None for s in recent):
+            return
+        ratio = float(np.median([s.ratio for s in recent]))
+        if ratio < self.params.faster_below:
+            self.model.scale(ratio)
+            self._window = deque((s._replace(ratio=s.ratio and s.ratio / ratio) for s in self._window),
+                                 maxlen=self.params.window)
+            self._faster = True
 
     def reset(self) -> None:
         self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept

@@ -11,7 +11,7 @@ from golden_caps import closed_loop
 from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.paper import PaperDLFP
 from dlfp.policy import RULES, Decision, FixedCap, StepShape, Unbounded
-from dlfp.tail import MARGIN_SAMPLES, TailDLFP, TailParams
+from dlfp.tail import MARGIN_SAMPLES, SPEED_STEPS, TailDLFP, TailParams
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import read_steps, rule_counts
@@ -25,6 +25,7 @@ def tail_decisions() -> tuple[list, list]:
     for params, kw in [
         (CPU, dict(steps=600, seed=2, sigma=0.25)),
         (CPU, dict(steps=600, seed=4, sigma=0.1, factor=lambda k: 3.0 if k >= 300 else 1.0)),
+        (CPU, dict(steps=600, seed=6, sigma=0.1, factor=lambda k: 0.4 if k >= 300 else 1.0)),
         (TailParams(0.050, 4, 1, 256, 1, zero_cap=False), dict(steps=300, seed=9, sigma=0.1, decodes_of=lambda k: 2)),
         # a fast device, decode-only steps first: the prior, then the model
         (TailParams(0.400, 4, 1, 256, 1, max_growth=1.25), dict(steps=100, seed=3, sigma=0.05, idle_first=3)),
@@ -38,7 +39,7 @@ def tail_decisions() -> tuple[list, list]:
 def test_every_rule_of_the_tail_controller_is_reached_and_named_in_the_vocabulary():
     seen = {d.rule for _, ds in tail_decisions() for d in ds}
     assert seen <= set(RULES)
-    assert {"initial", "prior", "model", "miss", "hold", "probe", "minimum"} == seen
+    assert {"initial", "prior", "model", "miss", "faster", "hold", "probe", "minimum"} == seen
 
 
 def test_each_rule_is_true_of_the_cap_it_explains():
@@ -50,7 +51,7 @@ def test_each_rule_is_true_of_the_cap_it_explains():
                 assert d.cap == 0
             elif d.rule in ("probe", "minimum"):
                 assert d.cap == p.minimum
-            elif d.rule in ("model", "miss"):
+            elif d.rule in ("model", "miss", "faster"):
                 assert p.minimum <= d.cap <= p.maximum
                 # the largest chunk whose prediction meets the setpoint (or the maximum)
                 assert d.predicted_ms <= d.setpoint_ms + 1e-6 or d.cap == p.minimum
@@ -168,12 +169,25 @@ def test_rule_miss_a_step_that_missed_the_target_sizes_the_next_at_its_own_ratio
     assert c.decide(1).rule == "model"
 
 
+def test_rule_faster_chunk_steps_well_under_their_prediction_scale_the_model_to_the_device():
+    c = taught(seq=10.0, token=5.0, forgetting=1.0)  # 20 + 10 + 5 (n - 1): n = 8 at the prior margin
+    for _ in range(SPEED_STEPS - 1):  # 8-token steps at half their predicted 65 ms
+        c.observe(0.0325, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
+        assert c.decide(1).rule == "model"
+    c.observe(0.0325, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
+    assert c.model.predict(8, 1) == pytest.approx(32.5)  # every cost halved: a 10, s 5, t 2.5
+    d = c.decide(1)  # 10 + 5 + 2.5 (n - 1) <= 66.7: n = 21
+    assert (d.cap, d.rule) == (21, "faster")
+    assert [m.ratio for m in c._window][-SPEED_STEPS:] == [1.0] * SPEED_STEPS  # rescored: the spread kept
+
+
 def test_rule_measured_a_margin_under_1_holds_only_up_to_the_largest_chunk_measured():
     """After a thread change the pass stayed priced high and 2-token chunks ran at 0.65x their
     prediction (neighbour seed 1043): the plain law planned 23 tokens at that margin and the
     step was cut at 1.25 T. Past the chunks measured the margin is 1."""
     def after(chunk: int) -> Decision:
         c = taught(seq=32.0, token=4.5, forgetting=1.0)  # the costs stay put: the ratios stay 0.65
+        c.params = replace(c.params, faster_below=None)  # this rule alone: `faster` would rescale them
         for _ in range(MARGIN_SAMPLES):
             c.observe(0.65 * c.model.predict(chunk, 1) / 1e3, cap=chunk, shape=StepShape(1, chunk, 0, 0, n_chunks=1))
         assert c.margin(1) == pytest.approx(0.65)
