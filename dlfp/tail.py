@@ -206,11 +206,9 @@ class TailDLFP(PrefillPolicy):
         learn (one-token chunks beside one decode measure a + s together, never a alone): the
         model is scaled by that ratio and the window's ratios by its inverse, so the margin keeps
         the device's spread about the faster model."""
-        recent = list(self._window)[-SPEED_STEPS:]
-        if self.params.faster_below is None or len(recent) < SPEED_STEPS or any(s.ratio is None for s in recent):
-            return
-        ratio = float(np.median([s.ratio for s in recent]))
-        if ratio < self.params.faster_below:
+        ratios = [s.ratio for s in list(self._window)[-SPEED_STEPS:] if s.ratio is not None]
+        ratio = float(np.median(ratios)) if len(ratios) == SPEED_STEPS else 1.0
+        if ratio < (self.params.faster_below or 0.0):
             self.model.scale(ratio)
             self._window = deque((s._replace(ratio=s.ratio and s.ratio / ratio) for s in self._window),
                                  maxlen=self.params.window)
