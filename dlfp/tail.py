@@ -9,6 +9,7 @@ stated where it is applied; docs/controller.md gives the measurement behind each
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -206,7 +207,7 @@ class TailDLFP(PrefillPolicy):
         learn (one-token chunks beside one decode measure a + s together, never a alone): the
         model is scaled by that ratio and the window's ratios by its inverse, so the margin keeps
         the device's spread about the faster model."""
-        ratios = [s.ratio for s in list(self._window)[-SPEED_STEPS:] if s.ratio is not None]
+        ratios = [s.ratio for s in itertools.islice(reversed(self._window), SPEED_STEPS) if s.ratio is not None]
         ratio = float(np.median(ratios)) if len(ratios) == SPEED_STEPS else 1.0
         if ratio < (self.params.faster_below or 0.0):
             self.model.scale(ratio)
