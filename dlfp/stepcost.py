@@ -7,8 +7,8 @@ alone; s: one more sequence of one token; t: one more token of a chunk at positi
 each position adds to a prompt token's cost, as a share of t. a, s, t: exponentially weighted
 averages of the steps that measure each (they follow a device within a few steps); k: a slow
 weighted least-squares fit of the law to the chunk steps. Before a decode-only step a = 0 (the
-paper's law); before a prompt token s = t = a (the prior). docs/controller.md says why each
-part is there. Units: ms and tokens.
+paper's law), and the first one, of d decodes, sets a = L / d; before a prompt token s = t = a
+(the prior). docs/controller.md says why each part is there. Units: ms and tokens.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ class StepCostModel:
         if self.base_ms is None:  # no base yet: every extra is taken as one token's cost
             if n > 0:
                 self.token_ms = self._clipped(self.token_ms, max(latency_ms, 0.0) / n)
+            else:  # d decodes alone, none alone before (chats beside documents: maybe for minutes)
+                self.base_ms = latency_ms / n_decode  # at the prior's s = a
             return
         rest = max(latency_ms - self.base_ms, MIN_SHARE * latency_ms)
         if n == c:  # every extra sequence carries one token: this step measures s

@@ -231,7 +231,7 @@ class TailDLFP(PrefillPolicy):
             self._speed = round(self._speed * cost_factor, 6)
             old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))
             if self.model is None:  # a speed not seen before
-                self.model = copy.deepcopy(old) if old.ready else StepCostModel(self.params.forgetting)
+                self.model = copy.deepcopy(old) if old.plannable else StepCostModel(self.params.forgetting)
                 self.model.scale(max(1.0, cost_factor))
         self.reset()
 

@@ -414,6 +414,30 @@ def test_more_threads_keep_the_learned_costs():
     assert c.model.base_ms == pytest.approx(20.0, rel=0.05) and c.model.token_ms == pytest.approx(10.0, rel=0.05)
 
 
+def test_a_device_change_keeps_a_base_learned_before_any_prompt_token():
+    """A run that starts on one thread (decode-only steps: a base, no prompt token yet) and
+    moves to two keeps that base: chats beside documents may run no one-decode step on the
+    new threads for minutes, and a model without a base prices every step as tokens alone."""
+    c = TailDLFP(TailParams(0.100, 4, 1, 256, 1))
+    for _ in range(20):
+        c.observe(0.019, cap=4, shape=StepShape(1, 0, 0, 0))
+    c.device_changed(0.5)
+    assert c.model.base_ms == pytest.approx(19.0, rel=0.01)
+
+
+def test_decode_only_steps_of_two_chats_set_the_base_where_none_of_one_came():
+    """Two chats streaming, no step with one decode alone: the first decode-only step sets
+    a = L / d (each pass at the prior s = a), the next ones teach s, so a chunk beside two
+    decodes is priced with both passes, not as its tokens alone."""
+    from dlfp.stepcost import StepCostModel
+    m = StepCostModel(0.5)
+    for _ in range(30):  # a = 14, s = 15 (two decodes: 29 ms), t = 3
+        m.update(29.0, 0, 2)
+        m.update(29.0 + 15.0 + 7 * 3.0, 8, 2, 1)
+    assert m.base(2) == pytest.approx(29.0, rel=0.02)
+    assert m.predict(8, 2) == pytest.approx(65.0, rel=0.02) and m.predict(1, 2) == pytest.approx(44.0, rel=0.05)
+
+
 def test_a_miss_shrinks_the_next_cap_through_the_model_and_the_margin():
     """No separate reflex: a step that misses T teaches the model a dearer token and adds a
     ratio above the rest; the next cap is smaller, for this decode count and the next."""
