@@ -87,6 +87,7 @@ class TailDLFP(PrefillPolicy):
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
         self._faster = False  # the model was scaled to a faster device since the latest decision
         self._target_ms = params.target_s * 1e3  # the target of the latest decision
+        self._prior = params.prior_spread  # the margin until the window has enough chunk steps
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
     def decide(self, n_decode: int | None = None, target_s: float | None = None,
@@ -155,7 +156,8 @@ class TailDLFP(PrefillPolicy):
         """The chunk steps' ratio that lets 1 - q of the window's ITLs run over, less those of late
         decode-only steps (held: no cap shrinks them). Over the steps with `n_decode` decodes,
         else over all steps times their median ratio over all steps' (once BIAS_SAMPLES
-        measured it), else the prior."""
+        measured it), else the prior: `prior_spread`, after a device change the margin learned
+        before it."""
         d = self._decodes if n_decode is None else n_decode
         same = [s for s in self._window if s.decodes == d]
         for steps in (same, self._window):
@@ -170,7 +172,7 @@ class TailDLFP(PrefillPolicy):
                 if steps is same or not (mine := [s.ratio for s in self._own_chunks(d)]):
                     return margin
                 return margin * float(np.median(mine) / np.median([s.ratio for s in chunks]))
-        return self.params.prior_spread
+        return self._prior
 
     def _misses(self, d: int, fresh: bool = False) -> bool:
         """The minimum chunk's step, with no margin, is predicted above T; `fresh`: by a pass
@@ -221,12 +223,15 @@ class TailDLFP(PrefillPolicy):
     def device_changed(self, cost_factor: float | None = None) -> None:
         # Each speed keeps its model and window for a return to it (scaling at every change
         # ratcheted). A new speed: the costs times the factor (never scaled down: threads rarely
-        # scale perfectly) and a fresh window; no factor: learned afresh.
+        # scale perfectly) and a fresh window, the margin learned so far its prior (the model
+        # already errs safe; at `prior_spread` a minimum chunk that fitted was held out);
+        # no factor: learned afresh.
         fresh = deque(maxlen=self.params.window)
         if not (cost_factor and cost_factor > 0):
             self._speeds.clear()
-            self.model, self._window = StepCostModel(self.params.forgetting), fresh
+            self.model, self._window, self._prior = StepCostModel(self.params.forgetting), fresh, self.params.prior_spread
         else:
+            self._prior = self.margin()
             self._speeds[self._speed] = (self.model, self._window)
             self._speed = round(self._speed * cost_factor, 6)
             old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))

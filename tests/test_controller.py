@@ -654,7 +654,7 @@ def test_thread_counts_that_flap_restore_what_was_learned_at_each():
     two = (c.model.base_ms, c.model.seq_ms, c.model.token_ms)
     margin = c.margin()
     c.device_changed(2.0)
-    assert c.model.token_ms == pytest.approx(2 * two[2]) and c.margin() == c.params.prior_spread
+    assert c.model.token_ms == pytest.approx(2 * two[2]) and c.margin() == margin and not c._window
     c.device_changed(0.5)
     assert (c.model.base_ms, c.model.seq_ms, c.model.token_ms) == two and c.margin() == margin
     c.device_changed(2.0)
@@ -664,12 +664,18 @@ def test_thread_counts_that_flap_restore_what_was_learned_at_each():
 
 
 def test_a_device_change_rescales_the_model_and_clears_the_margins():
+    """The window starts empty at a new speed, with the margin learned before as its prior:
+    the scaled model already errs safe, and at `prior_spread` a served chat's one-token chunk
+    beside two decodes on one thread (68 ms, predicted 82) was held out for seconds."""
     c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, zero_cap=True))
     drive(c, 200, random.Random(2), sigma=0.1)
-    token, cap = c.model.token_ms, c.cap()
+    token, cap, margin = c.model.token_ms, c.cap(), c.margin()
+    assert margin < c.params.prior_spread
     c.device_changed(2.0)
-    assert c.model.token_ms == pytest.approx(2 * token) and c.margin() == c.params.prior_spread
+    assert c.model.token_ms == pytest.approx(2 * token) and not c._window and c.margin() == margin
     assert c.cap() < cap
+    c.device_changed()  # no factor: nothing carried
+    assert c.margin() == c.params.prior_spread
 
 
 def test_a_dlfp_arm_may_override_the_tail_parameters_by_name():
