@@ -226,12 +226,12 @@ class TailDLFP(PrefillPolicy):
         # scale perfectly) and a fresh window, the margin learned so far its prior (the model
         # already errs safe; at `prior_spread` a minimum chunk that fitted was held out);
         # no factor: learned afresh.
-        fresh = deque(maxlen=self.params.window)
-        if not (cost_factor and cost_factor > 0):
+        fresh, known = deque(maxlen=self.params.window), bool(cost_factor and cost_factor > 0)
+        self._prior = self.margin() if known else self.params.prior_spread
+        if not known:
             self._speeds.clear()
-            self.model, self._window, self._prior = StepCostModel(self.params.forgetting), fresh, self.params.prior_spread
+            self.model, self._window = StepCostModel(self.params.forgetting), fresh
         else:
-            self._prior = self.margin()
             self._speeds[self._speed] = (self.model, self._window)
             self._speed = round(self._speed * cost_factor, 6)
             old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))
