@@ -100,7 +100,8 @@ def test_openai_client_chat_plain_and_streamed_agree(server):
     model = c.models.list().data[0]
     assert model.owned_by == "dlfp"
     extra = {"ignore_eos": True}
-    plain = c.chat.completions.create(model=model.id, messages=CHAT, max_tokens=12, temperature=0, extra_body=extra)
+    plain = c.chat.completions.create(model=model.id, messages=CHAT, max_tokens=12, temperature=0, extra_body=extra,
+                                      presence_penalty=0, response_format={"type": "text"})  # neutral: accepted
     assert plain.object == "chat.completion"
     assert plain.choices[0].finish_reason == "length"
     assert plain.usage.completion_tokens == 12 and plain.usage.prompt_tokens > 5
@@ -162,6 +163,9 @@ BAD = [
     ("stream_options not an object", {"prompt": [5, 6], "stream_options": 5}, 400, "stream_options"),
     ("too many stop strings", {"prompt": [5, 6], "stop": [str(i) for i in range(50)]}, 400, "stop"),
     ("boolean token id", {"prompt": [5, True], "max_tokens": 2}, 400, "prompt"),
+    ("JSON mode", {"prompt": [5, 6], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("a penalty", {"prompt": [5, 6], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("a grammar", {"prompt": [5, 6], "grammar": "root ::= [0-9]+"}, 400, "grammar"),
 ]
 
 

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI API that dlfp serves, validated strictly.
 
 Unknown fields are accepted and ignored (clients send many), but a known field
-of the wrong type is a 400 naming that field. vLLM's extensions that benchmarks
+of the wrong type is a 400 naming that field, and so is a field that asks for output
+dlfp does not produce (JSON mode, penalties, a grammar): a client relying on it would
+otherwise get unconstrained text with a 200. vLLM's extensions that benchmarks
 rely on are understood: `ignore_eos`, `return_token_ids`, an integer `priority`;
 dlfp's own: `itl_target_ms` and `ttft_goal_ms`, a foreground request's goals.
 """
@@ -15,6 +17,14 @@ from dlfp.server.errors import APIError, bad_request
 
 
 MAX_STOPS, MAX_STOP_CHARS = 8, 256  # each token is checked against every stop string: bound the work
+# Fields of the OpenAI API and of llama.cpp's and vLLM's servers that change which tokens come
+# back, with the values that leave them as dlfp samples (anything else: a 400 naming the field).
+OUTPUT_FIELDS = {
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "top_logprobs": (None, 0), "best_of": (None, 1), "functions": (None, []),
+    "grammar": (None, ""), "json_schema": (None, {}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,),
+}
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -63,7 +73,12 @@ class _Common(BaseModel):
 
     def unsupported(self) -> str | None:
         """The name of a requested feature dlfp does not have (a 400), or None."""
-        return None
+        extra = self.model_extra or {}
+        fmt = extra.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+            return "response_format"
+        return next((name for name, neutral in OUTPUT_FIELDS.items()
+                     if name in extra and extra[name] not in neutral), None)
 
 
 class ChatMessage(BaseModel):
@@ -90,7 +105,7 @@ class ChatRequest(_Common):
     def unsupported(self) -> str | None:
         if self.logprobs:
             return "logprobs"
-        return "tools" if self.tools else None
+        return "tools" if self.tools else super().unsupported()
 
 
 class CompletionRequest(_Common):
@@ -105,7 +120,7 @@ class CompletionRequest(_Common):
             return "logprobs"
         if self.echo:
             return "echo"
-        return "suffix" if self.suffix else None
+        return "suffix" if self.suffix else super().unsupported()
 
 
 def parse(model: type[_Common], raw: bytes) -> _Common:
