@@ -8,8 +8,8 @@ in steps that each carry the d decodes and end within T: at most
 n_max = floor((T - b_d) / t) tokens a step, so at least k = ceil(N / n_max) steps and
 k * b_d + N * t of compute before its first token, whatever the scheduler. b_d is the
 trial's median decode-only step with d decodes, t the median (L - b_d) / n of its steps
-that carried n >= 4 tokens of a new turn (and no background) beside d decodes, both from the `dlfp` arm's uncut guarded steps on the
-full thread count. It leaves out the wait for the step in flight at arrival; it is an
+that carried n >= 4 tokens of a new turn (and no background) beside d decodes, both from
+the `dlfp` arm's uncut guarded steps on the full thread count. It leaves out the wait for the step in flight at arrival; it is an
 estimate from median costs, not a strict bound (a turn's steps may run faster than the
 median, and a stream may end while it loads). llama.cpp's server loads the turn in one
 step that every stream waits for.
@@ -24,6 +24,7 @@ import math
 import statistics
 from pathlib import Path
 
+from dlfp.metrics import ttft
 from dlfp.trace import RequestRecord, StepRecord, read_requests, read_steps
 
 MIN_CHUNK = 4  # tokens: a smaller chunk's time is mostly its pass, not its tokens
@@ -52,10 +53,6 @@ def new_turns(requests: list[RequestRecord]) -> dict[str, RequestRecord]:
             if r.tag == "chat" and not r.request_id.endswith("-t0") and r.token_times}
 
 
-def ttft_ms(r: RequestRecord) -> float:
-    return (r.token_times[0] - r.arrival_s) * 1e3
-
-
 def turn_rows(folder: Path, seed: str, target_ms: float) -> list[dict]:
     steps = read_steps(folder / f"steps-{seed}-dlfp.jsonl.gz")
     mine = new_turns(read_requests(folder / f"requests-{seed}-dlfp.jsonl.gz"))
@@ -73,8 +70,8 @@ def turn_rows(folder: Path, seed: str, target_ms: float) -> list[dict]:
             base, token = costs[d]
             per_step = max(1, math.floor((target_ms - base) / token))
             bound = math.ceil(n / per_step) * base + n * token
-        rows.append({"seed": seed, "turn": rid, "decodes": d, "new_tokens": n, "dlfp": ttft_ms(r),
-                     "bound": bound, "llama_server": ttft_ms(server[rid])})
+        rows.append({"seed": seed, "turn": rid, "decodes": d, "new_tokens": n, "dlfp": ttft(r) * 1e3,
+                     "bound": bound, "llama_server": ttft(server[rid]) * 1e3})
     return rows
 
 
