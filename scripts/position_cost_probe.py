@@ -1,9 +1,12 @@
 """What a prompt token costs at different positions of its context, on the real llama.cpp backend.
 
 One chat decodes (one sequence at position ~300) while a document is loaded to position p and
-then advanced 10 tokens a step beside the decode, alternating with decode-only steps; the
-median step time of each kind is printed per p. The step-cost model's position term
-(`dlfp/stepcost.py`, k) is what this shows.
+then advanced a chunk a step beside the decode (each size in --chunks in turn), alternating
+with decode-only steps; the median step time of each kind is printed per p and size. The
+step-cost model's law (`dlfp/stepcost.py`) is then fitted to the medians, L - a = s + u t
+(1 + k p) with u = size - 1 tokens at mean position p: k, what each position adds to a
+prompt token's cost as a share of it, is what a device profile's `depth_prior` carries
+(two sizes are needed: one cannot tell a token's cost from the pass's).
 
     .venv/bin/python scripts/position_cost_probe.py --out runs/<date>-position-cost
 """
@@ -15,15 +18,17 @@ import random
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
 from dlfp.models import default_model_path
 from dlfp.protocol import DecodeItem, Limits, PrefillChunk, StepPlan
 from dlfp.provenance import write_config
 
 
-def probe(backend: LlamaCppBackend, positions: list[int], chunk: int, repeats: int, seed: int) -> list[dict]:
+def probe(backend: LlamaCppBackend, positions: list[int], chunks: list[int], repeats: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    tokens = [rng.randrange(100, 40000) for _ in range(max(positions) + chunk * repeats + 1)]
+    tokens = [rng.randrange(100, 40000) for _ in range(max(positions) + sum(chunks) * repeats + 1)]
     backend.step(StepPlan(prefills=[PrefillChunk(0, tokens[:300], 0, True)]))
     decode_at, rows = 300, []
     for p in positions:
@@ -31,15 +36,28 @@ def probe(backend: LlamaCppBackend, positions: list[int], chunk: int, repeats: i
         for start in range(0, p, 512):
             k = min(512, p - start)
             backend.step(StepPlan(prefills=[PrefillChunk(1, tokens[start:start + k], start, False)]))
-        at, times = p, {0: [], chunk: []}
-        for n in (0, chunk) * repeats:
-            prefills = [PrefillChunk(1, tokens[at:at + n], at, False)] if n else []
-            times[n].append(backend.step(StepPlan([DecodeItem(0, 42, decode_at)], prefills)).duration_s * 1e3)
-            decode_at, at = decode_at + 1, at + n
-        rows.append({"position": p, "decode_only_ms": statistics.median(times[0]),
-                     f"chunk_{chunk}_beside_decode_ms": statistics.median(times[chunk])})
-        print(json.dumps(rows[-1]), flush=True)
+        at = p
+        for chunk in chunks:
+            times: dict[int, list[float]] = {0: [], chunk: []}
+            start = at
+            for n in (0, chunk) * repeats:
+                prefills = [PrefillChunk(1, tokens[at:at + n], at, False)] if n else []
+                times[n].append(backend.step(StepPlan([DecodeItem(0, 42, decode_at)], prefills)).duration_s * 1e3)
+                decode_at, at = decode_at + 1, at + n
+            rows.append({"position": p, "chunk": chunk, "mean_position": (start + at - 1) / 2,
+                         "decode_only_ms": statistics.median(times[0]),
+                         "chunk_beside_decode_ms": statistics.median(times[chunk])})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def fit(rows: list[dict]) -> dict:
+    """Least squares of the step-cost law over the medians: s, t (ms) and k (per position)."""
+    x = np.array([[1.0, r["chunk"] - 1, (r["chunk"] - 1) * r["mean_position"]] for r in rows])
+    y = np.array([r["chunk_beside_decode_ms"] - r["decode_only_ms"] for r in rows])
+    (s, t, tk), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return {"seq_ms": float(s), "token_ms": float(t), "depth": float(tk / t),
+            "residual_ms": [float(v) for v in y - x @ np.array([s, t, tk])]}
 
 
 def main() -> None:
@@ -47,15 +65,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--positions", type=int, nargs="+", default=[16, 256, 768, 1536])
-    ap.add_argument("--chunk", type=int, default=10)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     model = default_model_path()
     backend = LlamaCppBackend(LlamaCppConfig(str(model), limits=Limits(4, 4096, 512), n_threads=args.threads))
-    rows = probe(backend, args.positions, args.chunk, args.repeats, seed=0)
+    rows = probe(backend, args.positions, args.chunks, args.repeats, seed=0)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "positions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    write_config(args.out, {"chunk": args.chunk, "repeats": args.repeats, "seed": 0}, models=[model],
+    if len(set(args.chunks)) > 1:
+        (args.out / "fit.json").write_text(json.dumps(fit(rows), indent=2) + "\n")
+        print(json.dumps(fit(rows)))
+    write_config(args.out, {"chunks": args.chunks, "repeats": args.repeats, "seed": 0}, models=[model],
                  threads=args.threads)
 
 
