@@ -6,9 +6,7 @@ m sequences (d decodes, c prompt chunks), n prompt tokens at mean position p; a:
 alone; s: one more sequence of one token; t: one more token of a chunk at position 0; k: what
 each position adds to a prompt token's cost, as a share of t. a, s, t: exponentially weighted
 averages of the steps that measure each (they follow a device within a few steps); k: a slow
-weighted least-squares fit of the law to the chunk steps, and until the chunk steps span
-enough positions and sizes to fit it, a prior (a device profile's `depth_prior`, measured by
-scripts/position_cost_probe.py). Before a decode-only step a = 0 (the
+weighted least-squares fit of the law to the chunk steps. Before a decode-only step a = 0 (the
 paper's law), and the first one, of d decodes, sets a = L / d; before a prompt token s = t = a
 (the prior). docs/controller.md says why each part is there. Units: ms and tokens.
 """
@@ -24,16 +22,14 @@ MIN_SIZE_SPREAD = 1.0  # tokens: chunks of one size cannot tell a token's cost f
 
 
 class StepCostModel:
-    def __init__(self, forgetting: float = 0.95, depth_prior: float = 0.0):
+    def __init__(self, forgetting: float = 0.95):
         self.keep = forgetting  # share of the old estimate an observation keeps
         self.base_ms: float | None = None  # a
         self.seq_ms: float | None = None  # s (None: as t)
         self.token_ms: float | None = None  # t
         self.n_obs = 0
         self.seq_measured_at: int | None = None  # n_obs when s was last measured
-        # k. A prior: t learned from deep chunks before the fit is read at their depth, not as
-        # the cost at position 0 (k = 0 priced a 2-token chunk at 1,280 at 55 ms that ran in 40)
-        self.depth = depth_prior
+        self.depth = 0.0  # k
         self.fitted_seq_ms: float | None = None  # s as the fit sees it: the pass until s is measured
         self._xx = np.zeros((3, 3))  # the fit's weighted sums: x x' and x y over x = (m - 1, n - c, (n - c) p)
         self._xy = np.zeros(3)

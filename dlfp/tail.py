@@ -29,7 +29,6 @@ class TailParams(PaperParams):
     quantile: float = 0.99  # ITL quantile aimed at the target
     window: int = 128  # recent guarded steps whose ITLs and ratios give the margin
     forgetting: float = 0.9  # share of the cost estimate an observation keeps (memory ~1/(1-f) steps)
-    depth_prior: float = 0.0  # k (dlfp/stepcost.py) until the chunk steps fit it; 0: unknown
     prior_spread: float = 1.5  # the margin until enough steps have been measured
     zero_cap: bool = False  # may keep background prefill out of guarded steps entirely
     probe_every: int = 32  # while the cap is 0: one minimum-size step every N guarded steps
@@ -47,7 +46,6 @@ class TailParams(PaperParams):
         for ok, need, value in ((0.5 <= self.quantile < 1, "quantile in [0.5, 1)", self.quantile),
                                 (self.window >= MARGIN_SAMPLES, f"window >= {MARGIN_SAMPLES} steps", self.window),
                                 (0.5 <= self.forgetting <= 1, "forgetting in [0.5, 1]", self.forgetting),
-                                (self.depth_prior >= 0, "depth_prior >= 0", self.depth_prior),
                                 (self.prior_spread >= 1, "prior_spread >= 1", self.prior_spread),
                                 (self.probe_every >= 1, "probe_every >= 1", self.probe_every),
                                 (self.cut_at is None or self.cut_at >= 1, "cut_at >= 1 or None", self.cut_at),
@@ -79,7 +77,7 @@ class TailDLFP(PrefillPolicy):
     def __init__(self, params: TailParams, name: str = "dlfp"):
         self.params = params
         self.name = name
-        self.model = StepCostModel(params.forgetting, params.depth_prior)
+        self.model = StepCostModel(params.forgetting)
         self._window: deque[Measured] = deque(maxlen=params.window)
         self._speed = 1.0  # the device's step cost relative to the first: the product of the cost factors
         self._speeds: dict[float, tuple[StepCostModel, deque]] = {}  # model and window at other speeds
@@ -232,13 +230,13 @@ class TailDLFP(PrefillPolicy):
         self._prior = self.margin() if known else self.params.prior_spread
         if not known:
             self._speeds.clear()
-            self.model, self._window = StepCostModel(self.params.forgetting, self.params.depth_prior), fresh
+            self.model, self._window = StepCostModel(self.params.forgetting), fresh
         else:
             self._speeds[self._speed] = (self.model, self._window)
             self._speed = round(self._speed * cost_factor, 6)
             old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))
             if self.model is None:  # a speed not seen before
-                self.model = copy.deepcopy(old) if old.plannable else StepCostModel(self.params.forgetting, self.params.depth_prior)
+                self.model = copy.deepcopy(old) if old.plannable else StepCostModel(self.params.forgetting)
                 self.model.scale(max(1.0, cost_factor))
         self.reset()
 

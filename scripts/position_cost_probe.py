@@ -5,8 +5,8 @@ then advanced a chunk a step beside the decode (each size in --chunks in turn), 
 with decode-only steps; the median step time of each kind is printed per p and size. The
 step-cost model's law (`dlfp/stepcost.py`) is then fitted to the medians, L - a = s + u t
 (1 + k p) with u = size - 1 tokens at mean position p: k, what each position adds to a
-prompt token's cost as a share of it, is what a device profile's `depth_prior` carries
-(two sizes are needed: one cannot tell a token's cost from the pass's).
+prompt token's cost as a share of it, is what the controller's model fits online (two sizes
+are needed: one cannot tell a token's cost from the pass's).
 
     .venv/bin/python scripts/position_cost_probe.py --out runs/<date>-position-cost
 """

@@ -695,25 +695,3 @@ def test_turn_first_is_a_parameter_of_the_tail_law():
     defaults = TailParams(0.100, 4, 1, 256, 1, zero_cap=True)
     assert parse_policy("dlfp", defaults).plans_turns
     assert not parse_policy("dlfp:turn_first=false", defaults).plans_turns
-
-
-def test_a_depth_prior_reads_deep_chunks_at_their_depth_until_the_fit_has_the_data():
-    """Chunks of one size, all deep (a document past 1,200 beside a chat): the fit of k waits
-    for sizes that differ, so t is learned from deep tokens. With k = 0 it is then read as the
-    cost at position 0 and a shallow chunk is priced at the deep one's cost; with the probe's
-    prior it is read at its depth (seed 1195 at T = 50: a 5-token chunk at 100 priced at 67 ms
-    that ran in 40)."""
-    from dlfp.stepcost import StepCostModel
-    def law(n: int, p: float) -> float:  # a = 14, s = 17, t = 2.6 (1 + 0.0009 p)
-        return 14.0 + 17.0 + (n - 1) * 2.6 * (1 + 0.0009 * p)
-    blind, prior = StepCostModel(0.9), StepCostModel(0.9, depth_prior=0.0009)
-    for m in (blind, prior):
-        m.update(14.0, 0, 1)
-        m.update(14.0 + 17.0, 1, 1, 1)  # a one-token chunk: s
-        for p in range(1300, 1400, 4):
-            m.update(law(4, p + 1.5), 4, 1, 1, position=p + 1.5)
-        assert m.depth == (0.0009 if m is prior else 0.0)  # one size: the fit has not run
-    assert prior.predict(4, 1, 100) == pytest.approx(law(4, 100), rel=0.01)
-    assert blind.predict(4, 1, 100) > 1.15 * law(4, 100)
-    with pytest.raises(ValueError, match="depth_prior"):
-        TailParams(0.100, 4, 1, 256, 1, depth_prior=-0.001)

@@ -286,3 +286,20 @@ def test_nvml_reads_only_the_visible_gpus():
     assert visible_indices(n, {"CUDA_VISIBLE_DEVICES": "GPU-333,GPU-1"}) == [3, 1]
     assert visible_indices(n, {"CUDA_VISIBLE_DEVICES": "1,7,2"}) == [1]  # as CUDA: stops at a bad entry
     assert visible_indices(n, {"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_position_cost_probe_fits_the_step_cost_law_from_two_chunk_sizes():
+    """The probe's fit recovers s, t and k from medians that follow the law exactly; one
+    chunk size cannot separate s from t, which is why the probe runs two."""
+    import importlib.util
+    pytest.importorskip("llama_cpp")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "position_cost_probe.py"
+    spec = importlib.util.spec_from_file_location("position_cost_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    rows = [{"chunk": n, "mean_position": p + (n - 1) / 2, "decode_only_ms": 14.0,
+             "chunk_beside_decode_ms": 14.0 + 17.0 + (n - 1) * 2.5 * (1 + 0.001 * (p + (n - 1) / 2))}
+            for p in (16, 256, 768, 1536) for n in (4, 16)]
+    got = probe.fit(rows)
+    assert got["seq_ms"] == pytest.approx(17.0) and got["token_ms"] == pytest.approx(2.5)
+    assert got["depth"] == pytest.approx(0.001) and max(map(abs, got["residual_ms"])) < 1e-9
