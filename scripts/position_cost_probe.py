@@ -74,8 +74,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "positions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if len(set(args.chunks)) > 1:
-        (args.out / "fit.json").write_text(json.dumps(fit(rows), indent=2) + "\n")
-        print(json.dumps(fit(rows)))
+        fitted = fit(rows)
+        (args.out / "fit.json").write_text(json.dumps(fitted, indent=2) + "\n")
+        print(json.dumps(fitted))
     write_config(args.out, {"chunks": args.chunks, "repeats": args.repeats, "seed": 0}, models=[model],
                  threads=args.threads)
 
