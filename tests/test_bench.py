@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dlfp.bench.analysis import output_agreement, trial_row
+from dlfp.bench.analysis import _rate, output_agreement, share_rate, trial_row
 from dlfp.bench.paired import paired_table, sweep_summary
 from dlfp.bench.runner import TrialRun
 from dlfp.metrics import SLO
@@ -363,3 +363,14 @@ def test_a_bounded_trace_says_up_to_when_it_dropped_steps():
     trace.drop_oldest(keep_steps=5, keep_others=5)
     assert [s.t0 for s in trace.steps] == [6, 7, 8, 9, 10] and trace.steps_dropped_until == 5.5
     assert [s.t0 for s in trace.steps_since(8)] == [8, 9, 10]
+
+
+def test_share_rate_counts_a_step_by_its_time_inside_the_windows():
+    # A 0.4 s background step in flight when the chat arrives at 10.3 (0.1 s of it inside the
+    # window), then one wholly inside: counted at the end the first counts whole.
+    steps = [StepRecord(9.9, 10.3 + 0.1, 0.5, 0, 0, 40, False, None, 40),
+             StepRecord(10.5, 10.6, 0.1, 1, 0, 10, True, 10, None)]
+    windows = [(10.3, 11.3)]
+    assert _rate(steps, ("n_prefill_bg",), windows) == pytest.approx(50.0)
+    assert share_rate(steps, windows) == pytest.approx(40 * 0.1 / 0.5 + 10)
+    assert share_rate(steps, []) is None

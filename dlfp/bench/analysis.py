@@ -83,6 +83,7 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec, itl_target_
     row["prefill_tok_s"] = _rate(steps, ("n_prefill_fg", "n_prefill_bg"), [(start, end)])
     row["bg_prefill_tok_s"] = _rate(steps, ("n_prefill_bg",), [(start, end)]) if bg else None
     row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), _fg_windows(fg)) if bg else None
+    row["bg_prefill_tok_s_fg_share"] = share_rate(steps, _fg_windows(fg)) if bg else None
     row.update(_step_stats(steps, run.trace.max_threads))
     if run.neighbour is not None:
         row["neighbour_s"] = [t - run.trace.origin for t in run.neighbour]
@@ -157,6 +158,23 @@ def _rate(steps: list[StepRecord] | None, keys: tuple[str, ...], windows: list[t
     if steps is None or length <= 0:
         return None
     tokens = sum(sum(getattr(s, k) for k in keys) for s in steps if any(a <= s.t1 <= b for a, b in windows))
+    return tokens / length
+
+
+def share_rate(steps: list[StepRecord] | None, windows: list[tuple[float, float]]) -> float | None:
+    """Background prompt tokens per second over the windows, each step's tokens counted by
+    the share of its time inside them. `_rate` counts a step where it completed, so a long
+    step that was in flight when a chat arrived counts whole toward the chat's window; an
+    engine that cuts that step at the arrival (to start the chat at once) loses it there."""
+    length = sum(b - a for a, b in windows)
+    if steps is None or length <= 0:
+        return None
+    tokens = 0.0
+    for s in steps:
+        if s.n_prefill_bg:
+            inside = sum(max(0.0, min(b, s.t1) - max(a, s.t0)) for a, b in windows)
+            span = s.t1 - s.t0
+            tokens += s.n_prefill_bg * (inside / span if span > 0 else float(any(a <= s.t1 <= b for a, b in windows)))
     return tokens / length
 
 
