@@ -11,11 +11,10 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
-
-import numpy as np
 
 from dlfp.paper import PaperParams
 from dlfp.policy import COMPLETION, Decision, PrefillPolicy, StepShape
@@ -59,6 +58,19 @@ MARGIN_SAMPLES = 32  # a tail quantile of fewer ratios is their maximum, one unl
 BIAS_SAMPLES = 3  # ratios beside a decode count that shift the pooled margin (held: one per probe)
 YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
 SPEED_STEPS = 8  # chunk steps in a row that tell a faster device from a few lucky steps
+
+
+def weighted_quantile(values: list[float], weights: list[int], q: float) -> float:
+    """The smallest value whose weight, with every smaller one's, reaches q of the total:
+    numpy's weighted `quantile(method="inverted_cdf")`, value for value, without numpy's
+    per-call cost (the margin is asked at every guarded step)."""
+    total, cum = float(sum(weights)), 0.0
+    ordered = sorted(zip(values, weights), key=lambda vw: vw[0])
+    for value, weight in ordered:
+        cum += weight
+        if cum and cum / total >= q:
+            return value
+    return ordered[-1][0]
 
 
 class Measured(NamedTuple):  # a guarded step in the margin's window
@@ -167,11 +179,10 @@ class TailDLFP(PrefillPolicy):
                 spare -= sum(s.itls for s in steps if s.ratio is None and s.late)
                 q = min(1.0, max(0.0, 1 - spare / sum(s.itls for s in chunks)))
                 # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
-                margin = float(np.quantile([s.ratio for s in chunks], q, weights=[s.itls for s in chunks],
-                                           method="inverted_cdf"))
+                margin = weighted_quantile([s.ratio for s in chunks], [s.itls for s in chunks], q)
                 if steps is same or not (mine := [s.ratio for s in self._own_chunks(d)]):
                     return margin
-                return margin * float(np.median(mine) / np.median([s.ratio for s in chunks]))
+                return margin * (statistics.median(mine) / statistics.median([s.ratio for s in chunks]))
         return self._prior
 
     def _misses(self, d: int, fresh: bool = False) -> bool:
@@ -210,7 +221,7 @@ class TailDLFP(PrefillPolicy):
         model is scaled by that ratio and the window's ratios by its inverse, so the margin keeps
         the device's spread about the faster model."""
         ratios = [s.ratio for s in itertools.islice(reversed(self._window), SPEED_STEPS) if s.ratio is not None]
-        ratio = float(np.median(ratios)) if len(ratios) == SPEED_STEPS else 1.0
+        ratio = statistics.median(ratios) if len(ratios) == SPEED_STEPS else 1.0
         if ratio < (self.params.faster_below or 0.0):
             self.model.scale(ratio)
             self._window = deque((s._replace(ratio=s.ratio and s.ratio / ratio) for s in self._window),

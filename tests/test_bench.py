@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dlfp.bench.analysis import _rate, output_agreement, share_rate, trial_row
+from dlfp.bench.analysis import _rate, _step_stats, output_agreement, share_rate, trial_row
 from dlfp.bench.paired import paired_table, sweep_summary
 from dlfp.bench.runner import TrialRun
 from dlfp.metrics import SLO
@@ -374,3 +374,10 @@ def test_share_rate_counts_a_step_by_its_time_inside_the_windows():
     assert _rate(steps, ("n_prefill_bg",), windows) == pytest.approx(50.0)
     assert share_rate(steps, windows) == pytest.approx(40 * 0.1 / 0.5 + 10)
     assert share_rate(steps, []) is None
+
+
+def test_step_gap_is_the_engine_time_between_busy_steps():
+    # 1 ms and 3 ms between steps; the 2 s pause (nothing to run) is idle, not counted.
+    steps = [StepRecord(t0, t0 + 0.01, 0.01, 1, 0, 0, True, 4, None) for t0 in (0.0, 0.011, 0.024, 2.0)]
+    assert _step_stats(steps, None)["step_gap_ms_mean"] == pytest.approx(2.0)
+    assert _step_stats([], None)["step_gap_ms_mean"] is None

@@ -198,10 +198,18 @@ def _phases(done_fg: list[RequestRecord], fg: list[RequestRecord], steps: list[S
     return out
 
 
+STEP_GAP_MAX_S = 0.05  # longer than this between steps, the engine was idle, not busy between them
+
+
 def _step_stats(steps: list[StepRecord] | None, max_threads: int | None) -> dict:
     steps = steps or []
     capped = [s for s in steps if s.capped]
+    # The engine's own time between one step's end and the next one's start (collecting,
+    # sampling, planning): time no step runs while a chat waits on every one.
+    ordered = sorted(steps, key=lambda s: s.t0)
+    gaps = [b.t0 - a.t1 for a, b in zip(ordered, ordered[1:]) if 0 <= b.t0 - a.t1 < STEP_GAP_MAX_S]
     return {
+        "step_gap_ms_mean": float(np.mean(gaps)) * 1e3 if gaps else None,
         "steps": len(steps),
         "capped_steps": len(capped),
         **control_counts(steps, max_threads),
