@@ -4,11 +4,13 @@ import math
 import random
 from dataclasses import asdict
 
+import numpy as np
+
 from dlfp.controller import parse_policy
 from dlfp.paper import next_cap, PaperDLFP
 from dlfp.policy import CADENCE, COMPLETION, UNREACHABLE_AFTER, FixedCap, StepShape, Unbounded
 from dlfp.controller import make_budget_policy
-from dlfp.tail import YOUNG_MODEL, TailDLFP, TailParams
+from dlfp.tail import YOUNG_MODEL, TailDLFP, TailParams, weighted_quantile
 
 PAPER = TailParams(target_s=0.080, initial=3072, minimum=1024, maximum=6144, quantum=128)
 
@@ -695,3 +697,16 @@ def test_turn_first_is_a_parameter_of_the_tail_law():
     defaults = TailParams(0.100, 4, 1, 256, 1, zero_cap=True)
     assert parse_policy("dlfp", defaults).plans_turns
     assert not parse_policy("dlfp:turn_first=false", defaults).plans_turns
+
+
+def test_weighted_quantile_is_numpys_inverted_cdf():
+    # The margin's quantile in plain Python must pick numpy's value, ties and zero weights included.
+    rng = random.Random(7)
+    for _ in range(5000):
+        n = rng.randint(1, 128)
+        values = [rng.choice([rng.uniform(0.5, 2.0), 1.0, 1.25]) for _ in range(n)]
+        weights = [rng.choice([0, 1, 1, 2, 3]) for _ in range(n)]
+        weights[0] = weights[0] or 1
+        q = rng.choice([0.0, 1.0, 0.97, 0.99, rng.random()])
+        assert weighted_quantile(values, weights, q) == float(
+            np.quantile(values, q, weights=weights, method="inverted_cdf"))
