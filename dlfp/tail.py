@@ -39,9 +39,6 @@ class TailParams(PaperParams):
     # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
     # taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
-    # Before MARGIN_SAMPLES chunk ratios, the margin is the largest of the first ones once
-    # this many are in, where under the prior (None: the prior until then).
-    prior_from: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,9 +49,7 @@ class TailParams(PaperParams):
                                 (self.probe_every >= 1, "probe_every >= 1", self.probe_every),
                                 (self.cut_at is None or self.cut_at >= 1, "cut_at >= 1 or None", self.cut_at),
                                 (self.faster_below is None or 0 < self.faster_below < 1,
-                                 "faster_below in (0, 1) or None", self.faster_below),
-                                (self.prior_from is None or 1 <= self.prior_from <= MARGIN_SAMPLES,
-                                 f"prior_from in [1, {MARGIN_SAMPLES}] or None", self.prior_from)):
+                                 "faster_below in (0, 1) or None", self.faster_below)):
             if not ok:
                 raise ValueError(f"need {need}, got {value}")
 
@@ -188,9 +183,6 @@ class TailDLFP(PrefillPolicy):
                 if steps is same or not (mine := [s.ratio for s in self._own_chunks(d)]):
                     return margin
                 return margin * (statistics.median(mine) / statistics.median([s.ratio for s in chunks]))
-        first = [s.ratio for s in self._window if s.ratio is not None]
-        if self.params.prior_from is not None and len(first) >= self.params.prior_from:
-            return min(self._prior, max(first))
         return self._prior
 
     def _misses(self, d: int, fresh: bool = False) -> bool:

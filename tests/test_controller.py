@@ -2,7 +2,7 @@ import pytest
 
 import math
 import random
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import numpy as np
 
@@ -710,22 +710,3 @@ def test_weighted_quantile_is_numpys_inverted_cdf():
         q = rng.choice([0.0, 1.0, 0.97, 0.99, rng.random()])
         assert weighted_quantile(values, weights, q) == float(
             np.quantile(values, q, weights=weights, method="inverted_cdf"))
-
-
-def test_prior_from_plans_at_the_largest_first_ratio_until_the_window_has_enough():
-    # Chunk steps that run 1.1x the model: the law keeps the prior (1.5) until MARGIN_SAMPLES
-    # ratios are in; with prior_from=4 it plans at their largest once four are.
-    params = TailParams(0.1, 8, 1, 64, 1, prior_spread=1.5)
-    law, early = TailDLFP(params), TailDLFP(replace(params, prior_from=4))
-    cost = lambda n: 12.0 + 5.0 * n  # ms: a decode plus n tokens
-    margins = {}
-    for name, c in (("law", law), ("early", early)):
-        for k in range(YOUNG_MODEL + 6):
-            d = c.decide(1)
-            ms = cost(d.cap) * (1.1 if k >= YOUNG_MODEL else 1.0)
-            c.observe(ms / 1e3, cap=d.cap, shape=StepShape(1, d.cap, 0, 0))
-        margins[name] = c.decide(1).margin
-    assert margins["law"] == 1.5
-    assert 1.0 < margins["early"] < 1.2
-    with pytest.raises(ValueError):
-        TailParams(0.1, 8, 1, 64, 1, prior_from=0)
