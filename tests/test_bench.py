@@ -366,7 +366,7 @@ def test_a_bounded_trace_says_up_to_when_it_dropped_steps():
 
 
 def test_share_rate_counts_a_step_by_its_time_inside_the_windows():
-    # A 0.4 s background step in flight when the chat arrives at 10.3 (0.1 s of it inside the
+    # A 0.5 s background step in flight when the chat arrives at 10.3 (0.1 s of it inside the
     # window), then one wholly inside: counted at the end the first counts whole.
     steps = [StepRecord(9.9, 10.3 + 0.1, 0.5, 0, 0, 40, False, None, 40),
              StepRecord(10.5, 10.6, 0.1, 1, 0, 10, True, 10, None)]

@@ -82,8 +82,9 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec, itl_target_
         steps = None
     row["prefill_tok_s"] = _rate(steps, ("n_prefill_fg", "n_prefill_bg"), [(start, end)])
     row["bg_prefill_tok_s"] = _rate(steps, ("n_prefill_bg",), [(start, end)]) if bg else None
-    row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), _fg_windows(fg)) if bg else None
-    row["bg_prefill_tok_s_fg_share"] = share_rate(steps, _fg_windows(fg)) if bg else None
+    fg_windows = _fg_windows(fg)
+    row["bg_prefill_tok_s_fg_active"] = _rate(steps, ("n_prefill_bg",), fg_windows) if bg else None
+    row["bg_prefill_tok_s_fg_share"] = share_rate(steps, fg_windows) if bg else None
     row.update(_step_stats(steps, run.trace.max_threads))
     if run.neighbour is not None:
         row["neighbour_s"] = [t - run.trace.origin for t in run.neighbour]
