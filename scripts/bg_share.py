@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--arm", default="dlfp")
     ap.add_argument("--base-arm", default="dlfp")
     a = ap.parse_args()
+    for run, arm in ((a.run, a.arm), (a.base, a.base_arm)):
+        if run is not None and not (run.is_dir() and seeds_of(run, arm)):
+            ap.error(f"{run}: no steps-<seed>-{arm}.jsonl.gz traces (a `dlfp bench` output folder and its arm)")
     print("| seed | at the end (tok/s) | by time share (tok/s) |" if a.base is None else
           "| seed | at the end: run / base (tok/s, ratio) | by time share: run / base (tok/s, ratio) |")
     print("|---|---:|---:|")
