@@ -39,9 +39,6 @@ class TailParams(PaperParams):
     # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
     # taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
-    # Before MARGIN_SAMPLES chunk ratios, the margin runs from the prior to the largest of the
-    # ratios in, by their share of MARGIN_SAMPLES (False: the prior until then).
-    shrink_prior: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -186,10 +183,6 @@ class TailDLFP(PrefillPolicy):
                 if steps is same or not (mine := [s.ratio for s in self._own_chunks(d)]):
                     return margin
                 return margin * (statistics.median(mine) / statistics.median([s.ratio for s in chunks]))
-        first = [s.ratio for s in self._window if s.ratio is not None]
-        if self.params.shrink_prior and first:
-            w = len(first) / MARGIN_SAMPLES
-            return (1 - w) * self._prior + w * max(first)
         return self._prior
 
     def _misses(self, d: int, fresh: bool = False) -> bool:
