@@ -39,7 +39,6 @@ class TailParams(PaperParams):
     # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
     # taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
-    measure_first: bool = True  # the prior plans a chunk that measures a token (TailDLFP._measuring)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -120,7 +119,7 @@ class TailDLFP(PrefillPolicy):
             self._held_asks += 1
             if self._held_asks >= self.params.probe_every and not self._misses(d, fresh=True):
                 self._held_asks = 0
-                cap, rule = (not self.model.ready and self.params.measure_first and self._measuring(d)) or self.params.minimum, "probe"
+                cap, rule = (not self.model.ready and self._measuring(d)) or self.params.minimum, "probe"
             else:
                 self.zero_steps += 1
         predicted = self.model.predict(cap, d, self._position) if self.model.plannable else None
@@ -151,7 +150,7 @@ class TailDLFP(PrefillPolicy):
         # "prior": no prompt token measured yet; the prior errs far small on a GPU, so at most
         # `initial`, and at least a chunk that measures a token where one fits T (one token
         # beside the decodes measures only its pass, and the model would stay at the prior).
-        return min(max(planned, self._measuring(d) if p.measure_first else 0), p.initial), "prior", margin
+        return min(max(planned, self._measuring(d)), p.initial), "prior", margin
 
     def _measuring(self, d: int) -> int:
         """The smallest chunk that measures a prompt token's cost (two tokens, as a quantum

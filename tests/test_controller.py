@@ -559,8 +559,9 @@ def test_first_chunk_after_the_prior_is_charged_its_pass():
 def test_the_prior_plans_a_chunk_that_measures_a_token():
     """A one-token chunk beside a decode measures only its pass, so a prior that plans one
     token never learns a token's cost and never leaves the prior (T = 50 ms, decodes at
-    12.4 ms: 156 one-token chunks in 31 s, `runs/2026-12-06-prior-two-t50`). The prior
-    plans two tokens, and a held prior probes with two, where two are predicted within T."""
+    12.4 ms: 156 one-token chunks in 31 s, `runs/2026-12-06-shrink-prior-t50` seed 1246;
+    T = 40: `runs/2026-12-06-prior-two-t40`). The prior plans two tokens, and a held prior
+    probes with two, where two are predicted within T."""
     c = TailDLFP(TailParams(0.050, 4, 1, 256, 1, zero_cap=True))
     for _ in range(YOUNG_MODEL):
         c.observe(0.0124, cap=c.cap(1), shape=StepShape(1, 0, 0, 0))
