@@ -54,7 +54,7 @@ RULES = {
     "fixed": "a static cap",
     "initial": "nothing learned yet: the profile's initial cap",
     "paper": "equation (2) on the last observed step",
-    "prior": "planned from the decode-only steps before a prompt token was measured (at most initial)",
+    "prior": "planned from the decode-only steps before a prompt token was measured (at most initial; at least the two tokens that measure one, where they fit the target)",
     "model": "the largest chunk whose predicted time times the margin meets the target",
     "minimum": "not even the minimum chunk fits, and background may not be held out",
     "measured": "the largest chunk the margin's window measured: a margin under 1 is trusted no further, and a larger chunk at a margin of 1 does not fit",
@@ -62,7 +62,7 @@ RULES = {
     "faster": "the model's chunk, just after the model was scaled to a faster device (its latest chunk steps ran well under their prediction)",
     "wait": "a new turn's prompt waits: not even its minimum chunk fits beside the streaming chats, whose targets come first",
     "hold": "not even the minimum chunk fits: background prompt tokens are held out (cap 0)",
-    "probe": "a minimum chunk while background is held out, to measure whether it fits again",
+    "probe": "a minimum chunk while background is held out, to measure whether it fits again (two tokens where none has been measured and two fit the target)",
     "cut": "the step before was cut at its deadline: its protected decodes run alone",
 }
 

@@ -119,7 +119,7 @@ class TailDLFP(PrefillPolicy):
             self._held_asks += 1
             if self._held_asks >= self.params.probe_every and not self._misses(d, fresh=True):
                 self._held_asks = 0
-                cap, rule = self.params.minimum, "probe"
+                cap, rule = (not self.model.ready and self._measuring(d)) or self.params.minimum, "probe"
             else:
                 self.zero_steps += 1
         predicted = self.model.predict(cap, d, self._position) if self.model.plannable else None
@@ -145,8 +145,20 @@ class TailDLFP(PrefillPolicy):
             planned, margin = at_one, 1.0
         if not planned:
             return (0, "hold", margin) if p.zero_cap else (p.minimum, "minimum", margin)
-        # "prior": no prompt token measured yet; the prior errs far small on a GPU, so at most `initial`.
-        return (planned, "model", margin) if self.model.ready else (min(planned, p.initial), "prior", margin)
+        if self.model.ready:
+            return planned, "model", margin
+        # "prior": no prompt token measured yet; the prior errs far small on a GPU, so at most
+        # `initial`, and at least a chunk that measures a token where one fits T (one token
+        # beside the decodes measures only its pass, and the model would stay at the prior).
+        return min(max(planned, self._measuring(d)), p.initial), "prior", margin
+
+    def _measuring(self, d: int) -> int:
+        """The smallest chunk that measures a prompt token's cost (two tokens, as a quantum
+        multiple from `minimum`) where it is predicted within T without the margin; else 0."""
+        p = self.params
+        n = math.ceil(max(p.minimum, 2) / p.quantum) * p.quantum
+        fits = n <= p.maximum and (self.model.predict(n, d, self._position) or math.inf) <= self._target_ms
+        return n if fits else 0
 
     def _largest_measured(self, d: int) -> int:
         """The largest chunk among the steps whose ratios set `margin(d)`."""

@@ -556,6 +556,35 @@ def test_first_chunk_after_the_prior_is_charged_its_pass():
     assert c.cap(1) == 3
 
 
+def test_the_prior_plans_a_chunk_that_measures_a_token():
+    """A one-token chunk beside a decode measures only its pass, so a prior that plans one
+    token never learns a token's cost and never leaves the prior (T = 50 ms, decodes at
+    12.4 ms: 156 one-token chunks in 31 s, `runs/2026-12-06-shrink-prior-t50` seed 1246;
+    T = 40: `runs/2026-12-06-prior-two-t40`). The prior plans two tokens, and a held prior
+    probes with two, where two are predicted within T."""
+    c = TailDLFP(TailParams(0.050, 4, 1, 256, 1, zero_cap=True))
+    for _ in range(YOUNG_MODEL):
+        c.observe(0.0124, cap=c.cap(1), shape=StepShape(1, 0, 0, 0))
+    d = c.decide(1)
+    assert (d.cap, d.rule) == (2, "prior")  # one token at the setpoint (33 ms); two within T
+    c.observe(0.0298, cap=2, shape=StepShape(1, 2, 0, 0, n_chunks=1))  # a pass ~ a decode, a token 5 ms
+    assert c.model.ready and c.decide(1).rule == "model"
+
+    def probe(c: TailDLFP):  # the next probe of a held controller
+        for _ in range(c.params.probe_every):
+            if (d := c.decide(1)).rule == "probe":
+                return d.cap
+            c.observe(0.020, cap=0, shape=StepShape(1, 0, 0, 0))
+
+    c = TailDLFP(TailParams(0.050, 4, 1, 256, 1, zero_cap=True))
+    for _ in range(YOUNG_MODEL):
+        c.observe(0.020, cap=c.cap(1), shape=StepShape(1, 0, 0, 0))
+    assert c.decide(1).rule == "hold" and probe(c) == 1  # two at the prior's 60 ms: over T
+    c.observe(0.034, cap=1, shape=StepShape(1, 1, 0, 0, n_chunks=1))  # a pass: 14 ms
+    assert c.decide(1).rule == "hold" and not c.model.ready
+    assert probe(c) == 2  # 20 + 14 + 14 ms: within T
+
+
 def test_tail_margin_is_learned_per_decode_count_then_pooled_then_the_prior():
     """One-token chunks beside one decode that ran at 0.7x the prediction let a minimum chunk
     in that the model alone would hold out; beside two decodes their ratio stands in only
