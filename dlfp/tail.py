@@ -39,7 +39,6 @@ class TailParams(PaperParams):
     # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
     # taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
-    probe_again: bool = True  # a probe measured within its setpoint is followed by another
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -223,10 +222,9 @@ class TailDLFP(PrefillPolicy):
         late = cut or ms > self._target_ms
         # A probe measured within its setpoint says the chunk fits now, however the model and the
         # margin still price it: the next held step probes again, so they learn from steps in a
-        # row rather than one in probe_every (a held model 20 % dear stayed held for 280 steps).
-        if self._probe_setpoint is not None and self.params.probe_again and n > 0 and not cut:
-            if ms <= self._probe_setpoint:
-                self._held_asks = self.params.probe_every
+        # row rather than one in probe_every (a held model 20 % dear stayed held for 314 steps).
+        if self._probe_setpoint is not None and n > 0 and not cut and ms <= self._probe_setpoint:
+            self._held_asks = self.params.probe_every
         self._probe_setpoint = None
         self._missed = ms / predicted if predicted and late else None
         # A decode-only step with nothing waiting (cap not 0, no prompt token ran) is not the
