@@ -96,6 +96,7 @@ class TailDLFP(PrefillPolicy):
         self._decodes = 1  # decodes of the latest step: the plan's default
         self._position = 0  # where the next prompt chunk starts (its tokens' cost grows with it)
         self._held_asks = 0  # guarded steps asked while held since the last probe
+        self._probe_setpoint: float | None = None  # the setpoint of the probe in flight (ms)
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
         self._faster = False  # the model was scaled to a faster device since the latest decision
         self._target_ms = params.target_s * 1e3  # the target of the latest decision
@@ -115,11 +116,13 @@ class TailDLFP(PrefillPolicy):
         if rule == "model" and (missed or self._faster):
             rule = "miss" if missed else "faster"
         self._faster = False
+        self._probe_setpoint = None
         if cap == 0:  # "probe": one held step in probe_every carries the minimum, unless sure to miss
             self._held_asks += 1
             if self._held_asks >= self.params.probe_every and not self._misses(d, fresh=True):
                 self._held_asks = 0
                 cap, rule = (not self.model.ready and self._measuring(d)) or self.params.minimum, "probe"
+                self._probe_setpoint = self._target_ms / margin
             else:
                 self.zero_steps += 1
         predicted = self.model.predict(cap, d, self._position) if self.model.plannable else None
@@ -217,6 +220,12 @@ class TailDLFP(PrefillPolicy):
         # A ratio to the prior (no prompt token measured yet) says nothing about the model's error.
         predicted = self.model.predict(n, d, x) if self.model.ready or n == 0 else None
         late = cut or ms > self._target_ms
+        # A probe measured within its setpoint says the chunk fits now, however the model and the
+        # margin still price it: the next held step probes again, so they learn from steps in a
+        # row rather than one in probe_every (a held model 20 % dear stayed held for 314 steps).
+        if self._probe_setpoint is not None and n > 0 and not cut and ms <= self._probe_setpoint:
+            self._held_asks = self.params.probe_every
+        self._probe_setpoint = None
         self._missed = ms / predicted if predicted and late else None
         # A decode-only step with nothing waiting (cap not 0, no prompt token ran) is not the
         # cap's doing: kept out, or a chat streaming alone would age every ratio away.

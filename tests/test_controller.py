@@ -585,6 +585,31 @@ def test_the_prior_plans_a_chunk_that_measures_a_token():
     assert probe(c) == 2  # 20 + 14 + 14 ms: within T
 
 
+def test_a_probe_that_fits_is_followed_by_another():
+    """Held at the prior with a model 20 % dear (one 47.5 ms step after an idle gap, T = 40:
+    probes at 0.77-0.86 of their prediction, one in 32 steps, and 314 held steps,
+    `runs/2026-12-06-prior-two-t40` seed 1249), a probe measured within its setpoint is
+    followed by another at the next held step; one over its setpoint waits `probe_every`."""
+    def held(step_ms: float) -> list[str]:
+        c = TailDLFP(TailParams(0.040, 4, 1, 256, 1, forgetting=0.9, zero_cap=True))
+        m = c.model
+        m.base_ms, m.seq_ms, m.token_ms, m.n_obs, m.seq_measured_at = 12.0, 17.0, 8.0, 100, 100
+        rules = []
+        for _ in range(3 * c.params.probe_every):
+            d = c.decide(1)
+            rules.append(d.rule)
+            if d.cap:
+                c.observe(step_ms / 1e3, cap=d.cap, shape=StepShape(1, d.cap, 0, 0, n_chunks=1))
+            else:
+                c.observe(0.012, cap=0, shape=StepShape(1, 0, 0, 0))
+        return rules
+    fits = held(23.0)  # predicted 29 ms at the prior's setpoint of 26.7: held; runs in 23
+    first = fits.index("probe")
+    assert fits[first + 1] == "probe" and "model" in fits  # the model learns from steps in a row
+    late = held(28.0)  # over the setpoint: one probe in probe_every
+    assert late[first + 1] == "hold" and late.index("probe", first + 1) - first == 32 and "model" not in late
+
+
 def test_tail_margin_is_learned_per_decode_count_then_pooled_then_the_prior():
     """One-token chunks beside one decode that ran at 0.7x the prediction let a minimum chunk
     in that the model alone would hold out; beside two decodes their ratio stands in only
