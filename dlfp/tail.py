@@ -97,6 +97,7 @@ class TailDLFP(PrefillPolicy):
         self._position = 0  # where the next prompt chunk starts (its tokens' cost grows with it)
         self._held_asks = 0  # guarded steps asked while held since the last probe
         self._probe_setpoint: float | None = None  # the setpoint of the probe in flight (ms)
+        self._probe_next = False  # the latest probe fitted: a held next step probes again
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
         self._faster = False  # the model was scaled to a faster device since the latest decision
         self._target_ms = params.target_s * 1e3  # the target of the latest decision
@@ -116,10 +117,10 @@ class TailDLFP(PrefillPolicy):
         if rule == "model" and (missed or self._faster):
             rule = "miss" if missed else "faster"
         self._faster = False
-        self._probe_setpoint = None
+        probe_next, self._probe_next, self._probe_setpoint = self._probe_next, False, None
         if cap == 0:  # "probe": one held step in probe_every carries the minimum, unless sure to miss
             self._held_asks += 1
-            if self._held_asks >= self.params.probe_every and not self._misses(d, fresh=True):
+            if (probe_next or self._held_asks >= self.params.probe_every) and not self._misses(d, fresh=True):
                 self._held_asks = 0
                 cap, rule = (not self.model.ready and self._measuring(d)) or self.params.minimum, "probe"
                 self._probe_setpoint = self._target_ms / margin
@@ -221,11 +222,10 @@ class TailDLFP(PrefillPolicy):
         predicted = self.model.predict(n, d, x) if self.model.ready or n == 0 else None
         late = cut or ms > self._target_ms
         # A probe measured within its setpoint says the chunk fits now, however the model and the
-        # margin still price it: the next held step probes again, so they learn from steps in a
-        # row rather than one in probe_every (a held model 20 % dear stayed held for 314 steps).
-        if self._probe_setpoint is not None and n > 0 and not cut and ms <= self._probe_setpoint:
-            self._held_asks = self.params.probe_every
-        self._probe_setpoint = None
+        # margin still price it: the next step, if held, probes again, so they learn from steps in
+        # a row rather than one in probe_every (a held model 20 % dear stayed held for 314 steps).
+        fitted = self._probe_setpoint is not None and n > 0 and not cut and ms <= self._probe_setpoint
+        self._probe_next, self._probe_setpoint = fitted, None
         self._missed = ms / predicted if predicted and late else None
         # A decode-only step with nothing waiting (cap not 0, no prompt token ran) is not the
         # cap's doing: kept out, or a chat streaming alone would age every ratio away.

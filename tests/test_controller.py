@@ -589,7 +589,7 @@ def test_a_probe_that_fits_is_followed_by_another():
     """Held at the prior with a model 20 % dear (one 47.5 ms step after an idle gap, T = 40:
     probes at 0.77-0.86 of their prediction, one in 32 steps, and 314 held steps,
     `runs/2026-12-06-prior-two-t40` seed 1249), a probe measured within its setpoint is
-    followed by another at the next held step; one over its setpoint waits `probe_every`."""
+    followed by another where the next step is held; one over its setpoint waits `probe_every`."""
     def held(step_ms: float) -> list[str]:
         c = TailDLFP(TailParams(0.040, 4, 1, 256, 1, forgetting=0.9, zero_cap=True))
         m = c.model
