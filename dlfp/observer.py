@@ -31,9 +31,11 @@ cap of a new decode burst.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable
 
+from dlfp.metrics import ITL_GOAL_TOLERANCE
 from dlfp.policy import CADENCE, COMPLETION, Decision, PrefillPolicy, StepShape
 from dlfp.trace import CONTENTION, StepRecord, is_capped
 
@@ -122,13 +124,18 @@ class StepObserver:
             return None
         return d.cut_ms / 1e3
 
-    def watch_within_s(self) -> float | None:
-        """How long into the step just planned a cut for contention still pays (half the
-        decision's target: dlfp/contention.py says why); None: no decision to read it from."""
+    def watch_within_s(self, threads: int = 1) -> float | None:
+        """How long into the step just planned a cut for contention still pays: while its
+        decodes, rerun alone on one thread, are predicted to end within the replies' goal of
+        1.1 T (`threads` times the decision's decode-only time: threads rarely scale perfectly,
+        so a bound), and at least for half of T (dlfp/contention.py says why); None: no
+        decision to read it from."""
         d = self.decision
         if d is None or d.setpoint_ms is None or d.margin is None:
             return None
-        return d.setpoint_ms * d.margin / 2e3
+        target_ms = d.setpoint_ms * d.margin
+        rerun_ms = threads * d.decode_ms if d.decode_ms is not None else math.inf
+        return max(target_ms / 2, ITL_GOAL_TOLERANCE * target_ms - rerun_ms) / 1e3
 
     def after_cut(self) -> int:
         """The step just planned was cut: the next runs its protected decodes alone (cap 0)."""
@@ -228,7 +235,7 @@ def decision_fields(d: Decision | None) -> dict:
     if d is None:
         return {}
     return {"rule": d.rule, "predicted_ms": d.predicted_ms, "margin": d.margin, "setpoint_ms": d.setpoint_ms,
-            "cut_ms": d.cut_ms, "position": d.position}
+            "cut_ms": d.cut_ms, "position": d.position, "decode_ms": d.decode_ms}
 
 
 def step_shape(step) -> StepShape:

@@ -79,6 +79,7 @@ class Decision:
     setpoint_ms: float | None = None  # target / margin: what the prediction must meet
     cut_ms: float | None = None  # a step with prompt tokens still running this long is cut (None: never)
     position: int | None = None  # where the planned chunk starts (a deeper token costs more)
+    decode_ms: float | None = None  # the cost model's time for the step's decodes alone (a cut step's rerun)
 
 
 class PrefillPolicy(ABC):

@@ -48,6 +48,7 @@ class StepRecord:
     setpoint_ms: float | None = None  # target / margin
     cut_ms: float | None = None  # the decision's deadline for a step with prompt tokens
     position: int | None = None  # where the planned chunk starts
+    decode_ms: float | None = None  # the cost model's time for the step's decodes alone
     n_prefill_cut: int = 0  # prompt tokens of a step that was cut (none of them ran)
     cut_by: str | None = None  # why it was cut: DEADLINE, CONTENTION or ARRIVAL
 

@@ -3,12 +3,15 @@ file as the kernel writes it, the watch on a scripted counter, and the engine on
 SIMULATED backend (a latency model slept on the wall clock, not a device)."""
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
 from dlfp.contention import ContentionWatch
 from dlfp.devices.pressure import cpu_stall_reader
 from dlfp.engine import Engine, EngineConfig
+from dlfp.observer import StepObserver
+from dlfp.policy import Decision
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.sim import SimBackend, SimCost
 from dlfp.tail import TailDLFP, TailParams
@@ -90,6 +93,20 @@ def test_the_watch_cuts_once_waiting_covers_its_share_and_not_before():
         assert len(cuts) == 2 and not late.fired
     finally:
         late.stop()
+
+
+def test_a_cut_for_contention_pays_while_the_rerun_ends_within_the_goal():
+    # T = 100 ms: a rerun on one thread of decodes that take 12 ms on two ends by 110 ms
+    # from a cut up to 86 ms in; one of 30 ms decodes only from the first T / 2; a decision
+    # without the decodes' time (the paper's law, no decode seen) keeps T / 2.
+    obs = StepObserver(TailDLFP(TailParams(0.1, 4, 1, 256, 1)), time.perf_counter)
+    obs.decision = Decision(8, "model", 1, 80.0, 1.25, 80.0, 125.0, 0, decode_ms=12.0)
+    assert obs.watch_within_s(2) == pytest.approx(0.086)
+    assert obs.watch_within_s(1) == pytest.approx(0.098)
+    obs.decision = replace(obs.decision, decode_ms=30.0)
+    assert obs.watch_within_s(2) == pytest.approx(0.05)
+    obs.decision = replace(obs.decision, decode_ms=None)
+    assert obs.watch_within_s(2) == pytest.approx(0.05)
 
 
 class TwoThreadSim(SimBackend):
