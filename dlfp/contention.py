@@ -20,11 +20,18 @@ it, and beside the neighbour three such steps on two threads took 230-335 ms in 
 (runs/2026-12-04-contention35-nn, runs/2026-12-05-position-goodput-nn); cuts for contention
 ended 24 ms into the step in the median, 91 at most. A step on one thread is not
 watched: beside another program it is not slowed the same way, and a rerun would run on
-the same thread. Nor is a step past half its target: the rerun then
-ends its ITL past the target anyway (beside a neighbour that had just started, reruns
-on one thread took 21-52 ms at T = 100 ms), and the step may still end sooner than the
-deadline cut would; one cut at 81 ms on our own threads' burst of work made a 129 ms ITL
-of what would have been a ~95 ms one.
+the same thread. A cut pays while the decodes' rerun on one thread (the decision's
+decode-only time times the threads: a bound, threads rarely scale perfectly) is predicted
+to end within 1.1 T, the goal a reply's own P99 is judged against, and for the first half
+of T at least (`StepObserver.watch_within_s`): then a cut on a burst of our own threads'
+work, where the step would have ended near its prediction, still ends its ITL within the
+goal, while a neighbour that starts later in the step than the first half is cut before
+the deadline. Beside the neighbour, it started 42-77 ms into a guarded step at
+T = 100 ms in 13 trials of the benches of 2026-12-06 (`runs/2026-12-06-*-nn`), each cut at
+its deadline and its decodes rerun in 23-56 ms: ITLs of 157-194 ms. Watched over the
+whole step, one cut at 81 ms on our own threads' burst made a 129 ms ITL of what would
+have been a ~95 ms one (a rerun of 48 ms: two decodes on one thread, which the bound now
+puts at 2 x 26 ms and does not cut after 58 ms).
 """
 from __future__ import annotations
 
