@@ -3,8 +3,9 @@
 The noisy-neighbour workload starts its neighbour once a trial, so where in a step it lands
 is chance and a bench sees the case a handful of times a day. Here the engine runs the
 default model at T = 100 ms with one chat streaming (300-token replies, back to back)
-beside two background documents, and a program spinning on one core starts every 1.5-2.5 s
-(at random) and stops after `--on-s`; the arms take turns, a round each. For every start
+beside two background documents, and a program spinning on one core starts every 3-4 s
+(at random; the thread governor returns to both threads 2 s after other programs' load
+drops) and stops after `--on-s`; the arms take turns, a round each. For every start
 that lands inside a guarded step on two threads (the governor moves to one thread while the
 neighbour runs and back after), it writes the chat's ITL that spans the start, the step in
 flight (how far in the start came, its decodes and prompt tokens, whether it was cut and by
@@ -49,7 +50,8 @@ def span_at(steps: list[StepRecord], gaps: list[tuple[float, float]], s: float) 
         return None
     return {"itl_ms": (span[1] - span[0]) * 1e3, "into_step_ms": (s - inflight.t0) * 1e3,
             "n_decode": inflight.n_decode, "n_prefill": inflight.n_prefill_fg + inflight.n_prefill_bg + inflight.n_prefill_cut,
-            "cut_by": inflight.cut_by, "step_ms": inflight.duration_s * 1e3, "rule": inflight.rule}
+            "cut_by": inflight.cut_by, "step_ms": inflight.duration_s * 1e3, "rule": inflight.rule,
+            "decode_ms": inflight.decode_ms}
 
 
 def run_arm(backend, profile, policy: str, starts: int, on_s: float, rng: random.Random) -> tuple[list[dict], dict]:
@@ -73,7 +75,7 @@ def run_arm(backend, profile, policy: str, starts: int, on_s: float, rng: random
     time.sleep(WARM_S)
     t_begin, times = time.perf_counter(), []
     for _ in range(starts):
-        time.sleep(rng.uniform(1.5, 2.5))
+        time.sleep(rng.uniform(3.0, 4.0))
         neighbour = Neighbour()
         neighbour.start()
         times.append(neighbour.started_s)

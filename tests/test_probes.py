@@ -303,3 +303,29 @@ def test_position_cost_probe_fits_the_step_cost_law_from_two_chunk_sizes():
     got = probe.fit(rows)
     assert got["seq_ms"] == pytest.approx(17.0) and got["token_ms"] == pytest.approx(2.5)
     assert got["depth"] == pytest.approx(0.001) and max(map(abs, got["residual_ms"])) < 1e-9
+
+
+def test_neighbour_start_probe_reads_the_itl_that_spans_each_start():
+    """A start inside a guarded step on two threads is read with the reply's gap that spans
+    it (a cut step's gap runs to its rerun's token); a start in a step on one thread, in an
+    unguarded step or between replies is not one of the probe's cases."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "scripts" / "neighbour_start_probe.py"
+    spec = importlib.util.spec_from_file_location("neighbour_start_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    def step(t0, t1, guarded=True, threads=2, cut_by=None):
+        return StepRecord(t0=t0, t1=t1, duration_s=t1 - t0, n_decode=1, n_prefill_fg=0, n_prefill_bg=0 if cut_by else 8,
+                          guarded=guarded, cap=8, bg_cap=None, threads=threads, n_prefill_cut=8 if cut_by else 0,
+                          cut_by=cut_by, rule="model")
+
+    steps = [step(0.0, 0.09), step(0.09, 0.215, cut_by="deadline"), step(0.215, 0.24, threads=1),
+             step(0.24, 0.33, threads=1), step(0.33, 0.5, guarded=False)]
+    gaps = [(0.09, 0.24), (0.24, 0.33)]
+    got = probe.span_at(steps, gaps, 0.15)
+    assert got["itl_ms"] == pytest.approx(150.0) and got["into_step_ms"] == pytest.approx(60.0)
+    assert got["cut_by"] == "deadline" and got["n_prefill"] == 8
+    assert probe.span_at(steps, gaps, 0.3) is None  # one thread
+    assert probe.span_at(steps, gaps, 0.4) is None  # unguarded, between replies
+    assert probe.span_at(steps, gaps, 0.05) is None  # no reply gap spans it
