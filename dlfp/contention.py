@@ -25,12 +25,14 @@ decode-only time times the threads: a bound, threads rarely scale perfectly) is 
 to end within 1.1 T, the goal a reply's own P99 is judged against, and for the first half
 of T at least (`StepObserver.watch_within_s`): then a cut on a burst of our own threads'
 work, where the step would have ended near its prediction, still ends its ITL within the
-goal, while a neighbour that starts later in the step than the first half is cut before
+goal, while a neighbour that shows only after the first half of T is cut before
 the deadline. Beside the neighbour, it started 42-77 ms into a guarded step at
 T = 100 ms in 13 trials of the benches of 2026-12-06 (`runs/2026-12-06-*-nn`), each cut at
-its deadline and its decodes rerun in 23-56 ms: ITLs of 157-194 ms. Watched over the
+its deadline and its decodes rerun in 23-56 ms: ITLs of 157-194 ms; over 100 starts
+(scripts/neighbour_start_probe.py, runs/2026-12-06-neighbour-start) the chat's ITLs over
+1.1 T at a start were 3 with this window, 11 with the first half only. Watched over the
 whole step, one cut at 81 ms on our own threads' burst made a 129 ms ITL of what would
-have been a ~95 ms one (a rerun of 48 ms: two decodes on one thread, which the bound now
+have been a ~95 ms one (a rerun of 48 ms: two decodes on one thread, which the bound
 puts at 2 x 26 ms and does not cut after 58 ms).
 """
 from __future__ import annotations

@@ -10,10 +10,10 @@ that lands inside a guarded step on two threads (the governor moves to one threa
 neighbour runs and back after), it writes the chat's ITL that spans the start, the step in
 flight (how far in the start came, its decodes and prompt tokens, whether it was cut and by
 what), and per arm the chat's ITL P99 and max over the whole run and the background's
-prompt tokens per second.
+prompt tokens per second. `--policies` takes `dlfp bench` arms, comma-separated.
 
     .venv/bin/python scripts/neighbour_start_probe.py runs/<yyyy-mm-dd>-neighbour-start \\
-        --policies dlfp:late_watch=false,dlfp --rounds 2 --starts 15 --seed 1
+        --policies dlfp:cut_at=none,dlfp --rounds 5 --starts 20 --seed 2
 """
 from __future__ import annotations
 

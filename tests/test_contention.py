@@ -123,7 +123,7 @@ class TwoThreadSim(SimBackend):
 def test_a_step_another_program_slows_is_cut_its_decodes_rerun_and_the_policy_not_taught():
     # SIMULATED: from step 30 on the counter says some task always waits (a neighbour took a
     # core). The next guarded step with prompt tokens on two threads is cut by the watch
-    # (within ~10 ms; it watches for T / 2), not at its 125 ms deadline; its decodes rerun on one thread; the
+    # (within ~10 ms; it watches for T / 2 at least), not at its 125 ms deadline; its decodes rerun on one thread; the
     # policy does not learn the cut step's time; the governor (here: after the first such
     # cut) moves to one thread, where no step is watched.
     counter = Counter()
@@ -150,7 +150,7 @@ def test_a_step_another_program_slows_is_cut_its_decodes_rerun_and_the_policy_no
     assert len(cut) == 1 and control_counts(steps, 2)["steps_cut_for_contention"] == 1
     first = steps[cut[0]]
     assert first.n_prefill_cut > 0 and first.n_prefill_fg + first.n_prefill_bg == 0
-    assert first.duration_s < first.cut_ms / 1e3  # before its deadline (the watch acts within T / 2)
+    assert first.duration_s < first.cut_ms / 1e3  # before its deadline (the watch acts within T / 2 at least)
     assert first.observed_s is None  # the policy was not taught the cut step's time
     rerun = steps[cut[0] + 1]
     assert rerun.rule == "cut" and rerun.threads == 1 and rerun.n_prefill_fg + rerun.n_prefill_bg == 0
