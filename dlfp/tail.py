@@ -39,7 +39,6 @@ class TailParams(PaperParams):
     # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
     # taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
-    late_watch: bool = True  # TEMPORARY (probe A/B only): the decision names its decodes' time
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -130,7 +129,7 @@ class TailDLFP(PrefillPolicy):
         predicted = self.model.predict(cap, d, self._position) if self.model.plannable else None
         cut_ms = self.params.cut_at * self._target_ms if cap and self.params.cut_at else None
         return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms, self._position,
-                        self.model.base(d) if self.params.late_watch else None)
+                        self.model.base(d))
 
     @property
     def plans_turns(self) -> bool:
