@@ -91,7 +91,6 @@ class StepObserver:
         self._prev_done: float | None = None  # last completed non-empty step (completion)
         self.last_observed: float | None = None
         self.decision: Decision | None = None  # the policy's latest decision (None before a guarded step)
-        self._rerun_ms: dict[int, float] = {}  # the latest rerun of a cut step's decodes, by their count
 
     # -- planning ----------------------------------------------------------
     def begin(self, guarded: bool, n_decode: int | None = None, target_s: float | None = None,
@@ -129,16 +128,13 @@ class StepObserver:
         """How long into the step just planned a cut for contention still pays: while its
         decodes, rerun alone on one thread, are predicted to end within the replies' goal of
         1.1 T (`threads` times the decision's decode-only time: threads rarely scale perfectly,
-        so a bound; where the model has seen no decode-only step, the latest rerun of as many
-        decodes), and at least for half of T (dlfp/contention.py says why); None: no decision
-        to read it from."""
+        so a bound), and at least for half of T (dlfp/contention.py says why); None: no
+        decision to read it from."""
         d = self.decision
         if d is None or d.setpoint_ms is None or d.margin is None:
             return None
         target_ms = d.setpoint_ms * d.margin
-        fallback = getattr(self.policy.params, "rerun_fallback", True)  # TEMPORARY (probe A/B only)
-        rerun_ms = (threads * d.decode_ms if d.decode_ms is not None
-                    else self._rerun_ms.get(d.n_decode, math.inf) if fallback else math.inf)
+        rerun_ms = threads * d.decode_ms if d.decode_ms is not None else math.inf
         return max(target_ms / 2, ITL_GOAL_TOLERANCE * target_ms - rerun_ms) / 1e3
 
     def after_cut(self) -> int:
@@ -194,8 +190,6 @@ class StepObserver:
         start = stamp.t_scheduled if self._prev_done is None else max(stamp.t_scheduled, self._prev_done)
         latency = duration_s if duration_s is not None else t_done - start
         self._prev_done = t_done
-        if stamp.rerun:
-            self._rerun_ms[stamp.shape.n_decode] = latency * 1e3
         observed = self.last_observed if self.policy.source == CADENCE else None
         current = stamp.epoch == self._epoch
         if self.policy.source == COMPLETION and stamp.guarded and current and not stamp.rerun and cut != CONTENTION:

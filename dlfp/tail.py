@@ -39,7 +39,6 @@ class TailParams(PaperParams):
     # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
     # taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
-    rerun_fallback: bool = True  # TEMPORARY (probe A/B only): the watch's bound from measured reruns
 
     def __post_init__(self) -> None:
         super().__post_init__()
