@@ -423,8 +423,9 @@ class Engine:
         limit = obs.cut_after_s(step.guarded, step.plan.n_prefill) if cuts else None
         # Decode-only guarded steps are watched too: nothing else bounds one that a program
         # starting mid-step slows (230-335 ms on two threads beside the neighbour).
-        within = (obs.watch_within_s(self.backend.threads or 1) if cuts and step.guarded and self.contention_watch is not None
-                  and (self.backend.threads or 1) > 1 else None)
+        threads = self.backend.threads or 1
+        within = (obs.watch_within_s(threads) if cuts and step.guarded and self.contention_watch is not None
+                  and threads > 1 else None)
         if limit is None and within is None:
             return step, DoneStep(self.backend.step(step.plan))
         watch = self.contention_watch if within is not None else None

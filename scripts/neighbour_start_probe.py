@@ -2,10 +2,11 @@
 
 The noisy-neighbour workload starts its neighbour once a trial, so where in a step it lands
 is chance and a bench sees the case a handful of times a day. Here the engine runs the
-default model at T (`--itl-target-ms`, 100 by default) with one chat streaming (300-token replies, back to back)
-beside two background documents, and a program spinning on one core starts every 3-4 s
-(at random; the thread governor returns to both threads 2 s after other programs' load
-drops) and stops after `--on-s`; the arms take turns, a round each. For every start
+default model at T (`--itl-target-ms`, 100 by default) with one chat streaming
+(300-token replies, back to back) beside two background documents, and a program
+spinning on one core starts every 3-4 s (at random; the thread governor returns to both
+threads 2 s after other programs' load drops) and stops after `--on-s`; the arms take
+turns, a round each. For every start
 that lands inside a guarded step on two threads (the governor moves to one thread while the
 neighbour runs and back after), it writes the chat's ITL that spans the start, the step in
 flight (how far in the start came, its decodes and prompt tokens, whether it was cut and by
