@@ -46,16 +46,16 @@ class StepCostModel:
         if self.base_ms is None:  # no base yet: every extra is taken as one token's cost
             if n > 0:
                 self.token_ms = self._clipped(self.token_ms, max(latency_ms, 0.0) / n)
-            else:  # d decodes alone, none alone before (chats beside documents: maybe for minutes)
-                self.base_ms = latency_ms / n_decode  # at the prior's s = a
+            else:  # d decodes alone, none alone before: a at the prior's s = a
+                self.base_ms = latency_ms / n_decode
             return
         rest = max(latency_ms - self.base_ms, MIN_SHARE * latency_ms)
         if n == c:  # every extra sequence carries one token: this step measures s
             self.seq_measured_at = self.n_obs
             self.seq_ms = self._clipped(self._learned_pass(), rest / extra_seqs)
             return
-        # Before s or t is measured the pass is the prior's: charged at 0, the first chunk's
-        # passes would go to its tokens (a 2-token chunk taught t = 34 ms where s ~ 16).
+        # Before s or t is measured the pass is the prior's (charged at 0, the first chunk's
+        # passes would go to its tokens).
         sample = max(rest - extra_seqs * self._pass(), MIN_SHARE * latency_ms) / (n - c)
         self._learn_depth(rest, extra_seqs, n - c, position)
         self.token_ms = self._clipped(self.token_ms, sample / (1 + self.depth * position))

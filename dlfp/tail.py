@@ -1,10 +1,10 @@
 """The tail-aware controller (`dlfp`): one cost model times one learned margin.
 
 A guarded step with d decodes gets the largest chunk n (a quantum multiple in [minimum,
-maximum]) with predict(n, d) * margin(d) <= T: `predict` from dlfp/stepcost.py, `margin(d)`
-a quantile of measured / predicted over recent steps. Each rule named in the decision
-record (`model`, `prior`, `initial`, `measured`, `miss`, `faster`, `hold`, `minimum`, `probe`) is
-stated where it is applied; docs/controller.md gives the measurement behind each.
+maximum]) with predict(n, d) * margin(d) <= T: `predict` from dlfp/stepcost.py, `margin(d)` a
+quantile of measured / predicted over recent steps. Each rule of the decision record
+(`model`, `prior`, `initial`, `measured`, `miss`, `faster`, `hold`, `minimum`, `probe`) is
+stated where it applies; docs/controller.md gives the measurement behind each.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from dlfp.metrics import weighted_quantile
 from dlfp.paper import PaperParams
 from dlfp.policy import COMPLETION, Decision, PrefillPolicy, StepShape
 from dlfp.stepcost import StepCostModel
@@ -34,10 +35,9 @@ class TailParams(PaperParams):
     # A step with prompt tokens still running at cut_at x T is cut (None: never): a reply's own
     # P99 <= 1.1 T absorbs one ITL up to ~1.25 T, so past it the step has failed its replies.
     cut_at: float | None = 1.25
-    # A new turn's prompt loads with background held out (dlfp.scheduler.plan); False: shared.
-    turn_first: bool = True
-    # The latest SPEED_STEPS chunk steps' median measured / predicted under which the device is
-    # taken to have got faster and the model is scaled to it (None: never).
+    turn_first: bool = True  # a new turn's prompt loads with background held out (False: shared)
+    # Under this median measured / predicted over the latest SPEED_STEPS chunk steps the device
+    # is taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
 
     def __post_init__(self) -> None:
@@ -60,19 +60,6 @@ YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the
 SPEED_STEPS = 8  # chunk steps in a row that tell a faster device from a few lucky steps
 
 
-def weighted_quantile(values: list[float], weights: list[int], q: float) -> float:
-    """The smallest value whose weight, with every smaller one's, reaches q of the total:
-    numpy's weighted `quantile(method="inverted_cdf")`, value for value, without numpy's
-    per-call cost (the margin is asked at every guarded step)."""
-    total, cum = float(sum(weights)), 0.0
-    ordered = sorted(zip(values, weights), key=lambda vw: vw[0])
-    for value, weight in ordered:
-        cum += weight
-        if cum and cum / total >= q:
-            return value
-    return ordered[-1][0]
-
-
 class Measured(NamedTuple):  # a guarded step in the margin's window
     decodes: int
     tokens: int  # prompt tokens it carried
@@ -87,8 +74,7 @@ class TailDLFP(PrefillPolicy):
     source = COMPLETION
 
     def __init__(self, params: TailParams, name: str = "dlfp"):
-        self.params = params
-        self.name = name
+        self.params, self.name, self.plans_turns = params, name, params.turn_first
         self.model = StepCostModel(params.forgetting)
         self._window: deque[Measured] = deque(maxlen=params.window)
         self._speed = 1.0  # the device's step cost relative to the first: the product of the cost factors
@@ -131,10 +117,6 @@ class TailDLFP(PrefillPolicy):
         return Decision(cap, rule, d, predicted, margin, self._target_ms / margin, cut_ms, self._position,
                         self.model.base(d))
 
-    @property
-    def plans_turns(self) -> bool:
-        return self.params.turn_first
-
     def _plan(self, d: int, margin: float) -> tuple[int, str, float]:
         """The cap, the rule that set it, and the margin it was planned at."""
         p = self.params
@@ -152,14 +134,13 @@ class TailDLFP(PrefillPolicy):
             return (0, "hold", margin) if p.zero_cap else (p.minimum, "minimum", margin)
         if self.model.ready:
             return planned, "model", margin
-        # "prior": no prompt token measured yet; the prior errs far small on a GPU, so at most
-        # `initial`, and at least a chunk that measures a token where one fits T (one token
-        # beside the decodes measures only its pass, and the model would stay at the prior).
+        # "prior": no prompt token measured yet; at most `initial` (the prior errs far small on
+        # a GPU), at least a chunk that measures a token where one fits T (`_measuring`).
         return min(max(planned, self._measuring(d)), p.initial), "prior", margin
 
     def _measuring(self, d: int) -> int:
-        """The smallest chunk that measures a prompt token's cost (two tokens, as a quantum
-        multiple from `minimum`) where it is predicted within T without the margin; else 0."""
+        """The smallest chunk that measures a prompt token's cost (two tokens: one beside the
+        decodes measures only its pass) where it is predicted within T without the margin; else 0."""
         p = self.params
         n = math.ceil(max(p.minimum, 2) / p.quantum) * p.quantum
         fits = n <= p.maximum and (self.model.predict(n, d, self._position) or math.inf) <= self._target_ms
@@ -195,7 +176,6 @@ class TailDLFP(PrefillPolicy):
                 spare = (1 - self.params.quantile) * sum(s.itls for s in steps)
                 spare -= sum(s.itls for s in steps if s.ratio is None and s.late)
                 q = min(1.0, max(0.0, 1 - spare / sum(s.itls for s in chunks)))
-                # The smallest ratio whose ITLs, with every smaller one's, reach q of them.
                 margin = weighted_quantile([s.ratio for s in chunks], [s.itls for s in chunks], q)
                 if steps is same or not (mine := [s.ratio for s in self._own_chunks(d)]):
                     return margin
@@ -222,9 +202,8 @@ class TailDLFP(PrefillPolicy):
         # A ratio to the prior (no prompt token measured yet) says nothing about the model's error.
         predicted = self.model.predict(n, d, x) if self.model.ready or n == 0 else None
         late = cut or ms > self._target_ms
-        # A probe measured within its setpoint says the chunk fits now, however the model and the
-        # margin still price it: the next step, if held, probes again, so they learn from steps in
-        # a row rather than one in probe_every (a held model 20 % dear stayed held for 314 steps).
+        # A probe measured within its setpoint fits now, however the model and the margin price
+        # it: a held next step probes again, so they learn from steps in a row.
         fitted = self._probe_setpoint is not None and n > 0 and not cut and ms <= self._probe_setpoint
         self._probe_next, self._probe_setpoint = fitted, None
         self._missed = ms / predicted if predicted and late else None
@@ -239,9 +218,8 @@ class TailDLFP(PrefillPolicy):
     def _follow_speed_up(self) -> None:
         """"faster": where the latest SPEED_STEPS steps in the window all carried prompt tokens
         and ran at a median ratio under `faster_below`, the device got faster than the model can
-        learn (one-token chunks beside one decode measure a + s together, never a alone): the
-        model is scaled by that ratio and the window's ratios by its inverse, so the margin keeps
-        the device's spread about the faster model."""
+        learn (one-token chunks beside one decode never measure the base alone): the model is
+        scaled by that ratio and the window's ratios by its inverse, keeping the spread."""
         ratios = [s.ratio for s in itertools.islice(reversed(self._window), SPEED_STEPS) if s.ratio is not None]
         ratio = statistics.median(ratios) if len(ratios) == SPEED_STEPS else 1.0
         if ratio < (self.params.faster_below or 0.0):
@@ -254,23 +232,21 @@ class TailDLFP(PrefillPolicy):
         self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept
 
     def device_changed(self, cost_factor: float | None = None) -> None:
-        # Each speed keeps its model and window for a return to it (scaling at every change
-        # ratcheted). A new speed: the costs times the factor (never scaled down: threads rarely
-        # scale perfectly) and a fresh window, the margin learned so far its prior (the model
-        # already errs safe; at `prior_spread` a minimum chunk that fitted was held out);
-        # no factor: learned afresh.
-        fresh, known = deque(maxlen=self.params.window), bool(cost_factor and cost_factor > 0)
-        self._prior = self.margin() if known else self.params.prior_spread
-        if not known:
-            self._speeds.clear()
+        """Each speed keeps its model and window for a return to it. A new speed: the costs times
+        the factor (never scaled down: threads rarely scale perfectly), a fresh window, and the
+        margin learned so far as its prior; no factor: everything learned afresh."""
+        fresh = deque(maxlen=self.params.window)
+        if not (cost_factor and cost_factor > 0):
+            self._prior, self._speeds = self.params.prior_spread, {}
             self.model, self._window = StepCostModel(self.params.forgetting), fresh
-        else:
-            self._speeds[self._speed] = (self.model, self._window)
-            self._speed = round(self._speed * cost_factor, 6)
-            old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))
-            if self.model is None:  # a speed not seen before
-                self.model = copy.deepcopy(old) if old.plannable else StepCostModel(self.params.forgetting)
-                self.model.scale(max(1.0, cost_factor))
+            return self.reset()
+        self._prior = self.margin()
+        self._speeds[self._speed] = (self.model, self._window)
+        self._speed = round(self._speed * cost_factor, 6)
+        old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))
+        if self.model is None:  # a speed not seen before
+            self.model = copy.deepcopy(old) if old.plannable else StepCostModel(self.params.forgetting)
+            self.model.scale(max(1.0, cost_factor))
         self.reset()
 
     @property

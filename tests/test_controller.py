@@ -10,7 +10,8 @@ from dlfp.controller import parse_policy
 from dlfp.paper import next_cap, PaperDLFP
 from dlfp.policy import CADENCE, COMPLETION, UNREACHABLE_AFTER, FixedCap, StepShape, Unbounded
 from dlfp.controller import make_budget_policy
-from dlfp.tail import YOUNG_MODEL, TailDLFP, TailParams, weighted_quantile
+from dlfp.metrics import weighted_quantile
+from dlfp.tail import YOUNG_MODEL, TailDLFP, TailParams
 
 PAPER = TailParams(target_s=0.080, initial=3072, minimum=1024, maximum=6144, quantum=128)
 
