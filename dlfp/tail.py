@@ -9,14 +9,10 @@ stated where it applies; docs/controller.md gives the measurement behind each.
 from __future__ import annotations
 
 import copy
-import itertools
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from dlfp.metrics import weighted_quantile
+from dlfp.margin import MARGIN_SAMPLES, Margin, Measured
 from dlfp.paper import PaperParams
 from dlfp.policy import COMPLETION, Decision, PrefillPolicy, StepShape
 from dlfp.stepcost import StepCostModel
@@ -54,18 +50,8 @@ class TailParams(PaperParams):
                 raise ValueError(f"need {need}, got {value}")
 
 
-MARGIN_SAMPLES = 32  # a tail quantile of fewer ratios is their maximum, one unlucky step
-BIAS_SAMPLES = 3  # ratios beside a decode count that shift the pooled margin (held: one per probe)
 YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
 SPEED_STEPS = 8  # chunk steps in a row that tell a faster device from a few lucky steps
-
-
-class Measured(NamedTuple):  # a guarded step in the margin's window
-    decodes: int
-    tokens: int  # prompt tokens it carried
-    ratio: float | None  # measured / predicted; None: a decode-only step
-    itls: int  # foreground ITLs it ended
-    late: bool  # it ran over the target
 
 
 class TailDLFP(PrefillPolicy):
@@ -76,9 +62,9 @@ class TailDLFP(PrefillPolicy):
     def __init__(self, params: TailParams, name: str = "dlfp"):
         self.params, self.name, self.plans_turns = params, name, params.turn_first
         self.model = StepCostModel(params.forgetting)
-        self._window: deque[Measured] = deque(maxlen=params.window)
+        self.margins = Margin(params.quantile, params.window, params.prior_spread)
         self._speed = 1.0  # the device's step cost relative to the first: the product of the cost factors
-        self._speeds: dict[float, tuple[StepCostModel, deque]] = {}  # model and window at other speeds
+        self._speeds: dict[float, tuple[StepCostModel, Margin]] = {}  # model and margin at other speeds
         self._decodes = 1  # decodes of the latest step: the plan's default
         self._position = 0  # where the next prompt chunk starts (its tokens' cost grows with it)
         self._held_asks = 0  # guarded steps asked while held since the last probe
@@ -87,7 +73,6 @@ class TailDLFP(PrefillPolicy):
         self._missed: float | None = None  # measured / predicted of the latest step, where it missed T
         self._faster = False  # the model was scaled to a faster device since the latest decision
         self._target_ms = params.target_s * 1e3  # the target of the latest decision
-        self._prior = params.prior_spread  # the margin until the window has enough chunk steps
         self.zero_steps = 0  # guarded steps the cap kept free of prompt tokens
 
     def decide(self, n_decode: int | None = None, target_s: float | None = None,
@@ -123,7 +108,7 @@ class TailDLFP(PrefillPolicy):
         if not self.model.plannable:
             return p.initial, "initial", margin
         planned = self._fitting(d, margin)
-        if margin < 1 and planned > (largest := self._largest_measured(d)):
+        if margin < 1 and planned > (largest := self.margins.largest_measured(d)):
             # "measured": a margin under 1 holds for the chunk sizes that measured it; past them
             # the model's error is unknown and may run the other way, so they plan at 1.
             at_one = self._fitting(d, 1.0)
@@ -146,15 +131,6 @@ class TailDLFP(PrefillPolicy):
         fits = n <= p.maximum and (self.model.predict(n, d, self._position) or math.inf) <= self._target_ms
         return n if fits else 0
 
-    def _largest_measured(self, d: int) -> int:
-        """The largest chunk among the steps whose ratios set `margin(d)`."""
-        return max((s.tokens for s in self._own_chunks(d) or self._window), default=0)
-
-    def _own_chunks(self, d: int) -> list[Measured]:
-        """The window's chunk steps with `d` decodes, where there are enough to shape `margin(d)`."""
-        own = [s for s in self._window if s.decodes == d and s.ratio is not None]
-        return own if len(own) >= BIAS_SAMPLES else []
-
     def _fitting(self, d: int, margin: float) -> int:
         """The largest quantum multiple up to `maximum` whose prediction times the margin meets T;
         0 where not even the minimum does."""
@@ -163,24 +139,8 @@ class TailDLFP(PrefillPolicy):
         return 0 if room < p.minimum else max(p.minimum, min(p.maximum, math.floor(room / p.quantum) * p.quantum))
 
     def margin(self, n_decode: int | None = None) -> float:
-        """The chunk steps' ratio that lets 1 - q of the window's ITLs run over, less those of late
-        decode-only steps (held: no cap shrinks them). Over the steps with `n_decode` decodes,
-        else over all steps times their median ratio over all steps' (once BIAS_SAMPLES
-        measured it), else the prior: `prior_spread`, after a device change the margin learned
-        before it."""
-        d = self._decodes if n_decode is None else n_decode
-        same = [s for s in self._window if s.decodes == d]
-        for steps in (same, self._window):
-            chunks = [s for s in steps if s.ratio is not None]
-            if len(chunks) >= MARGIN_SAMPLES:
-                spare = (1 - self.params.quantile) * sum(s.itls for s in steps)
-                spare -= sum(s.itls for s in steps if s.ratio is None and s.late)
-                q = min(1.0, max(0.0, 1 - spare / sum(s.itls for s in chunks)))
-                margin = weighted_quantile([s.ratio for s in chunks], [s.itls for s in chunks], q)
-                if steps is same or not (mine := [s.ratio for s in self._own_chunks(d)]):
-                    return margin
-                return margin * (statistics.median(mine) / statistics.median([s.ratio for s in chunks]))
-        return self._prior
+        """The learned margin for `n_decode` decodes (the latest step's by default)."""
+        return self.margins.of(self._decodes if n_decode is None else n_decode)
 
     def _misses(self, d: int, fresh: bool = False) -> bool:
         """The minimum chunk's step, with no margin, is predicted above T; `fresh`: by a pass
@@ -211,7 +171,7 @@ class TailDLFP(PrefillPolicy):
         # cap's doing: kept out, or a chat streaming alone would age every ratio away.
         idle = n == 0 and cap != 0
         if not idle and (n == 0 or (predicted and self.model.n_obs >= YOUNG_MODEL)):
-            self._window.append(Measured(d, n, ms / predicted if n else None, itls, late))
+            self.margins.add(Measured(d, n, ms / predicted if n else None, itls, late))
         self.model.update(ms, n, d, shape.n_chunks if shape is not None else None, x)
         self._follow_speed_up()
 
@@ -220,32 +180,32 @@ class TailDLFP(PrefillPolicy):
         and ran at a median ratio under `faster_below`, the device got faster than the model can
         learn (one-token chunks beside one decode never measure the base alone): the model is
         scaled by that ratio and the window's ratios by its inverse, keeping the spread."""
-        ratios = [s.ratio for s in itertools.islice(reversed(self._window), SPEED_STEPS) if s.ratio is not None]
-        ratio = statistics.median(ratios) if len(ratios) == SPEED_STEPS else 1.0
-        if ratio < (self.params.faster_below or 0.0):
+        ratio = self.margins.latest_ratio(SPEED_STEPS)
+        if ratio is not None and ratio < (self.params.faster_below or 0.0):
             self.model.scale(ratio)
-            self._window = deque((s._replace(ratio=s.ratio and s.ratio / ratio) for s in self._window),
-                                 maxlen=self.params.window)
+            self.margins.rescale(ratio)
             self._faster = True
 
     def reset(self) -> None:
         self._held_asks = 0  # what was learned is the device's and model's, not one turn's: kept
 
     def device_changed(self, cost_factor: float | None = None) -> None:
-        """Each speed keeps its model and window for a return to it. A new speed: the costs times
-        the factor (never scaled down: threads rarely scale perfectly), a fresh window, and the
-        margin learned so far as its prior; no factor: everything learned afresh."""
-        fresh = deque(maxlen=self.params.window)
+        """Each speed keeps its model and margin for a return to it. A new speed: the costs times
+        the factor (never scaled down: threads rarely scale perfectly) and a fresh margin; either
+        way the margin learned so far is the prior. No factor: everything learned afresh."""
+        p = self.params
         if not (cost_factor and cost_factor > 0):
-            self._prior, self._speeds = self.params.prior_spread, {}
-            self.model, self._window = StepCostModel(self.params.forgetting), fresh
+            self._speeds = {}
+            self.model, self.margins = StepCostModel(p.forgetting), Margin(p.quantile, p.window, p.prior_spread)
             return self.reset()
-        self._prior = self.margin()
-        self._speeds[self._speed] = (self.model, self._window)
+        prior = self.margin()
+        self._speeds[self._speed] = (self.model, self.margins)
         self._speed = round(self._speed * cost_factor, 6)
-        old, (self.model, self._window) = self.model, self._speeds.pop(self._speed, (None, fresh))
+        fresh = Margin(p.quantile, p.window, prior)
+        old, (self.model, self.margins) = self.model, self._speeds.pop(self._speed, (None, fresh))
+        self.margins.prior = prior
         if self.model is None:  # a speed not seen before
-            self.model = copy.deepcopy(old) if old.plannable else StepCostModel(self.params.forgetting)
+            self.model = copy.deepcopy(old) if old.plannable else StepCostModel(p.forgetting)
             self.model.scale(max(1.0, cost_factor))
         self.reset()
 

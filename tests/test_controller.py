@@ -617,7 +617,7 @@ def test_tail_margin_is_learned_per_decode_count_then_pooled_then_the_prior():
     until as many two-decode steps are measured, which then decide alone (measured on one
     thread beside a neighbour: ratios 0.9-1.2 there, and a pooled correction let 95-113 ms
     steps through at T = 100)."""
-    from dlfp.tail import MARGIN_SAMPLES
+    from dlfp.margin import MARGIN_SAMPLES
     c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))  # the costs stay put
     m = c.model
     m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 40.0, 40.0, 8.0, 100  # a second sequence costs 40 ms
@@ -637,7 +637,7 @@ def test_decode_only_steps_age_the_margin_window_without_giving_a_ratio():
     steps (at T = 50 their ratios, up to 2.2 against a 12 ms base, set the margin and kept
     background out for 215 steps); they age the window, so a margin old chunk steps set
     returns to the prior over a long hold."""
-    from dlfp.tail import MARGIN_SAMPLES
+    from dlfp.margin import MARGIN_SAMPLES
     c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
     m = c.model
     m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 40.0, 20.0, 8.0, 100
@@ -655,7 +655,7 @@ def test_a_decode_only_step_with_nothing_waiting_leaves_the_margin_window_alone(
     """A chat streaming alone (the cap allowed prompt tokens, none were waiting) says nothing of
     a chunk's cost: after 189 such steps the laptop's first 32 background chunks ran at the prior
     margin (seed 1041 at T = 100). They neither age the window nor count as its ITLs."""
-    from dlfp.tail import MARGIN_SAMPLES
+    from dlfp.margin import MARGIN_SAMPLES
     c = TailDLFP(TailParams(0.100, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
     m = c.model
     m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 40.0, 20.0, 8.0, 100
@@ -688,7 +688,7 @@ def test_a_decode_count_with_few_steps_shifts_the_pooled_margin_by_its_own_error
     overpredicted the minimum chunk there by 8-13% (33-34 ms measured, 37-38 predicted at T = 50;
     `runs/2026-12-03-itl-controller-t50`, seed 853) and the pooled margin held background out.
     Three such ratios shift the pooled margin by their median over the pool's."""
-    from dlfp.tail import BIAS_SAMPLES, MARGIN_SAMPLES
+    from dlfp.margin import BIAS_SAMPLES, MARGIN_SAMPLES
     c = TailDLFP(TailParams(0.050, 4, 1, 256, 1, forgetting=1.0, zero_cap=True))
     m = c.model
     m.base_ms, m.seq_ms, m.token_ms, m.n_obs = 14.0, 13.0, 3.0, 100
@@ -711,7 +711,7 @@ def test_thread_counts_that_flap_restore_what_was_learned_at_each():
     two = (c.model.base_ms, c.model.seq_ms, c.model.token_ms)
     margin = c.margin()
     c.device_changed(2.0)
-    assert c.model.token_ms == pytest.approx(2 * two[2]) and c.margin() == margin and not c._window
+    assert c.model.token_ms == pytest.approx(2 * two[2]) and c.margin() == margin and not c.margins.steps
     c.device_changed(0.5)
     assert (c.model.base_ms, c.model.seq_ms, c.model.token_ms) == two and c.margin() == margin
     c.device_changed(2.0)
@@ -729,7 +729,7 @@ def test_a_device_change_rescales_the_model_and_clears_the_margins():
     token, cap, margin = c.model.token_ms, c.cap(), c.margin()
     assert margin < c.params.prior_spread
     c.device_changed(2.0)
-    assert c.model.token_ms == pytest.approx(2 * token) and not c._window and c.margin() == margin
+    assert c.model.token_ms == pytest.approx(2 * token) and not c.margins.steps and c.margin() == margin
     assert c.cap() < cap
     c.device_changed()  # no factor: nothing carried
     assert c.margin() == c.params.prior_spread

@@ -11,7 +11,8 @@ from golden_caps import closed_loop
 from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.paper import PaperDLFP
 from dlfp.policy import RULES, Decision, FixedCap, StepShape, Unbounded
-from dlfp.tail import MARGIN_SAMPLES, SPEED_STEPS, TailDLFP, TailParams
+from dlfp.margin import MARGIN_SAMPLES
+from dlfp.tail import SPEED_STEPS, TailDLFP, TailParams
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import read_steps, rule_counts
@@ -178,7 +179,7 @@ def test_rule_faster_chunk_steps_well_under_their_prediction_scale_the_model_to_
     assert c.model.predict(8, 1) == pytest.approx(32.5)  # every cost halved: a 10, s 5, t 2.5
     d = c.decide(1)  # 10 + 5 + 2.5 (n - 1) <= 66.7: n = 21
     assert (d.cap, d.rule) == (21, "faster")
-    assert [m.ratio for m in c._window][-SPEED_STEPS:] == [1.0] * SPEED_STEPS  # rescored: the spread kept
+    assert [m.ratio for m in c.margins.steps][-SPEED_STEPS:] == [1.0] * SPEED_STEPS  # rescored: the spread kept
 
 
 def test_rule_measured_a_margin_under_1_holds_only_up_to_the_largest_chunk_measured():
@@ -205,7 +206,7 @@ def test_rule_measured_counts_the_chunks_of_the_decode_count_whose_ratios_set_th
     """Neighbour seed 1111 on one thread: three 2-token chunks beside two decodes ran at 0.65x
     the pooled ratio and scaled the margin for two decodes under 1; a 15-token chunk planned at
     it ran at its prediction, 122 ms. The window's larger chunks were measured at one decode."""
-    from dlfp.tail import BIAS_SAMPLES
+    from dlfp.margin import BIAS_SAMPLES
     c = taught(seq=16.0, token=4.5, forgetting=1.0)  # two decodes: 20 + 16 + 16 + 4.5 (n - 1)
     for _ in range(MARGIN_SAMPLES):
         c.observe(1.2 * c.model.predict(24, 1) / 1e3, cap=24, shape=StepShape(1, 24, 0, 0, n_chunks=1))
