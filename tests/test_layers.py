@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = {"protocol", "sequence", "policy", "paper", "tail", "controller", "stepcost", "scheduler", "prefix_cache", "observer", "engine", "contention",
+CORE = {"protocol", "sequence", "policy", "paper", "tail", "margin", "controller", "stepcost", "scheduler", "prefix_cache", "observer", "engine", "contention",
         "trace", "metrics", "sampling", "stats", "sim", "models"}
 PACKAGES = {"dlfp.backends": "adapters", "dlfp.devices": "devices", "dlfp.workloads": "workloads"}
 FOLDERS = {"backends": "adapters", "devices": "devices", "workloads": "workloads"}
