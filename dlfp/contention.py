@@ -1,39 +1,20 @@
 """Cut a step that another program has started to slow, as soon as it shows.
 
-A step on several threads beside a program that has just taken a core runs 2-6x its
-time: each op waits for the thread that was descheduled. The cut at the decision's
-deadline (`cut_at` x T) bounds that step, but the deadline plus the decodes' rerun is
-still one ITL of 1.4-2 T, and a reply's own P99 <= 1.1 T absorbs one ITL of about
-1.25 T, no more. The watch reads how long some task has waited for a core (a cumulative
-counter, `devices/pressure.py`) every `poll_s` while a guarded step runs, and cuts the
-step once that waiting has covered `share` of the latest `window_s` (a program that
-starts late in a step is seen as soon as one that was there from its start): the
-decodes then rerun alone on one thread (`Engine._rerun_on_one_thread`). The kernel
-averages the share over the cores. On this project's 2-core machine
-(`scripts/psi_probe.py`, runs/2026-12-04-psi-probe), 20 ms windows during llama.cpp
-steps on both cores read a median 1 %, 57 % at the 99th percentile, alone (bursts near
-100 % in 3 steps of 30, about once a second, which the watch reads as contention too:
-its cuts on a quiet machine, docs/benchmarks.md), and 37-101 %, median 51 %, from the
-first window after a program spinning on one core started (steps of 160-219 ms then
-took 323-1196 ms). A guarded step with no prompt token is watched too: no deadline bounds
-it, and beside the neighbour three such steps on two threads took 230-335 ms in 16 trials
-(runs/2026-12-04-contention35-nn, runs/2026-12-05-position-goodput-nn); cuts for contention
-ended 24 ms into the step in the median, 91 at most. A step on one thread is not
-watched: beside another program it is not slowed the same way, and a rerun would run on
-the same thread. A cut pays while the decodes' rerun on one thread (the decision's
-decode-only time times the threads: a bound, threads rarely scale perfectly) is predicted
-to end within 1.1 T, the goal a reply's own P99 is judged against, and for the first half
-of T at least (`StepObserver.watch_within_s`): then a cut on a burst of our own threads'
-work, where the step would have ended near its prediction, still ends its ITL within the
-goal, while a neighbour that shows only after the first half of T is cut before
-the deadline. Beside the neighbour, it started 42-77 ms into a guarded step at
-T = 100 ms in 13 trials of the benches of 2026-12-06 (`runs/2026-12-06-*-nn`), each cut at
-its deadline and its decodes rerun in 23-56 ms: ITLs of 157-194 ms; over 100 starts
-(scripts/neighbour_start_probe.py, runs/2026-12-06-neighbour-start) the chat's ITLs over
-1.1 T at a start were 3 with this window, 11 with the first half only. Watched over the
-whole step, one cut at 81 ms on our own threads' burst made a 129 ms ITL of what would
-have been a ~95 ms one (a rerun of 48 ms: two decodes on one thread, which the bound
-puts at 2 x 26 ms and does not cut after 58 ms).
+A step on several threads beside a program that has just taken a core runs 2-6x its time:
+each op waits at its barrier for the thread that was descheduled. The deadline cut
+(`cut_at` x T) bounds such a step, but the deadline plus the decodes' rerun is one ITL of
+1.4-2 T, where a reply's own P99 <= 1.1 T absorbs one ITL of about 1.25 T. The watch reads
+how long some task has waited for a core (a cumulative counter, `devices/pressure.py`)
+every `poll_s` while a guarded step runs, and cuts the step once that waiting has covered
+`share` of the latest `window_s` (a program that starts late in a step shows as soon as one
+that was there from its start); the decodes then rerun alone on one thread
+(`Engine._rerun_on_one_thread`). Guarded steps with no prompt token are watched too (no
+deadline bounds them); steps on one thread are not (a rerun would run on the same thread).
+The engine arms the watch for `StepObserver.watch_within_s`: while the rerun is predicted to
+end within 1.1 T, and for the first half of T at least, so that a false alarm (a burst of
+the engine's own threads, about once a second on two cores) still ends its ITL within the
+goal. docs/controller.md ("Cutting a step as soon as another program slows it") gives the
+measurements behind `share`, `window_s` and the window.
 """
 from __future__ import annotations
 
