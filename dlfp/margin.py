@@ -7,6 +7,7 @@ margin"). The tail controller (dlfp/tail.py) plans predict(n, d) x margin(d) <= 
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from typing import NamedTuple
@@ -63,7 +64,7 @@ class Margin:
 
     def latest_ratio(self, steps: int) -> float | None:
         """The median ratio of the latest `steps` steps, where each carried prompt tokens."""
-        ratios = [s.ratio for s in list(self.steps)[-steps:] if s.ratio is not None]
+        ratios = [s.ratio for s in itertools.islice(reversed(self.steps), steps) if s.ratio is not None]
         return statistics.median(ratios) if len(ratios) == steps else None
 
     def rescale(self, factor: float) -> None:

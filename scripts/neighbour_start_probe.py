@@ -25,7 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 from dlfp.assembly import build_engine
 from dlfp.bench.neighbour import Neighbour
@@ -130,7 +129,7 @@ def main() -> None:
         itls = sorted(e["itl_ms"] for e in events if e["policy"] == policy)
         if itls:
             print(f"{policy}: {len(itls)} starts in a guarded step on two threads; spanning ITL median "
-                  f"{np.median(itls):.0f} ms, max {itls[-1]:.0f}; over 1.1 T {sum(x > ITL_GOAL_TOLERANCE * args.itl_target_ms for x in itls)}, "
+                  f"{percentile(itls, 50):.0f} ms, max {itls[-1]:.0f}; over 1.1 T {sum(x > ITL_GOAL_TOLERANCE * args.itl_target_ms for x in itls)}, "
                   f"over 1.25 T {sum(x > 1.25 * args.itl_target_ms for x in itls)}")
 
 
