@@ -31,9 +31,11 @@ class Margin:
         self.quantile = quantile
         self.steps: deque[Measured] = deque(maxlen=window)
         self.prior = prior  # the margin until the window has enough chunk steps
+        self.chunk_steps = 0  # chunk steps added since it began
 
     def add(self, step: Measured) -> None:
         self.steps.append(step)
+        self.chunk_steps += step.ratio is not None
 
     def of(self, d: int) -> float:
         """The chunk steps' ratio that lets 1 - q of the window's ITLs run over, less those of late
@@ -52,6 +54,12 @@ class Margin:
                     return margin
                 return margin * (statistics.median(mine) / statistics.median([s.ratio for s in chunks]))
         return self.prior
+
+    @property
+    def learned(self) -> bool:
+        """MARGIN_SAMPLES chunk steps measured since this margin began (at the start, or at a
+        speed not seen before): its ratios measure the device, not a model still converging."""
+        return self.chunk_steps >= MARGIN_SAMPLES
 
     def own_chunks(self, d: int) -> list[Measured]:
         """The chunk steps with `d` decodes, where there are enough to shape the margin for `d`."""

@@ -179,8 +179,10 @@ class TailDLFP(PrefillPolicy):
         """"faster": where the latest SPEED_STEPS steps in the window all carried prompt tokens
         and ran at a median ratio under `faster_below`, the device got faster than the model can
         learn (one-token chunks beside one decode never measure the base alone): the model is
-        scaled by that ratio and the window's ratios by its inverse, keeping the spread."""
-        ratio = self.margins.latest_ratio(SPEED_STEPS)
+        scaled by that ratio and the window's ratios by its inverse, keeping the spread. Not
+        before the margin has learned (at a new speed the model is a scaled guess, and its
+        first ratios measure the guess converging, not the device)."""
+        ratio = self.margins.latest_ratio(SPEED_STEPS) if self.margins.learned else None
         if ratio is not None and ratio < (self.params.faster_below or 0.0):
             self.model.scale(ratio)
             self.margins.rescale(ratio)

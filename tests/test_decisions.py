@@ -172,6 +172,7 @@ def test_rule_miss_a_step_that_missed_the_target_sizes_the_next_at_its_own_ratio
 
 def test_rule_faster_chunk_steps_well_under_their_prediction_scale_the_model_to_the_device():
     c = taught(seq=10.0, token=5.0, forgetting=1.0)  # 20 + 10 + 5 (n - 1): n = 8 at the prior margin
+    c.margins.chunk_steps = MARGIN_SAMPLES  # a margin that has measured its device
     for _ in range(SPEED_STEPS - 1):  # 8-token steps at half their predicted 65 ms
         c.observe(0.0325, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
         assert c.decide(1).rule == "model"
@@ -180,6 +181,16 @@ def test_rule_faster_chunk_steps_well_under_their_prediction_scale_the_model_to_
     d = c.decide(1)  # 10 + 5 + 2.5 (n - 1) <= 66.7: n = 21
     assert (d.cap, d.rule) == (21, "faster")
     assert [m.ratio for m in c.margins.steps][-SPEED_STEPS:] == [1.0] * SPEED_STEPS  # rescored: the spread kept
+
+
+def test_rule_faster_not_while_the_margin_at_a_new_speed_is_young():
+    c = taught(seq=10.0, token=5.0, forgetting=1.0)
+    c.margins.chunk_steps = MARGIN_SAMPLES
+    c.device_changed(2.0)  # a speed not seen before: the model scaled 2x, a margin of its own begun
+    for _ in range(SPEED_STEPS):  # 8-token steps at half their predicted 130 ms: the guess converging
+        c.observe(0.065, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
+        assert c.decide(1).rule != "faster"
+    assert c.model.predict(8, 1) == pytest.approx(130.0)
 
 
 def test_rule_measured_a_margin_under_1_holds_only_up_to_the_largest_chunk_measured():

@@ -43,3 +43,13 @@ def test_rescaling_divides_every_ratio_and_keeps_decode_only_steps():
     m.add(Measured(2, 0, None, 2, late=True))
     m.rescale(0.6)
     assert [s.ratio for s in m.steps] == [pytest.approx(1.0), None] and m.steps.maxlen == 4
+
+
+def test_learned_counts_chunk_steps_since_the_margin_began_not_what_the_window_keeps():
+    m = Margin(0.99, MARGIN_SAMPLES, 1.5)
+    for _ in range(MARGIN_SAMPLES - 1):
+        m.add(chunk(1.0))
+        m.add(Measured(1, 0, None, 1, late=False))  # decode-only steps count for nothing
+    assert not m.learned
+    m.add(chunk(1.0))
+    assert m.learned  # though the window, of MARGIN_SAMPLES steps, now holds 16 chunk steps
