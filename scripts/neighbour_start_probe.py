@@ -25,7 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from dlfp.assembly import build_engine
 from dlfp.bench.neighbour import Neighbour
 from dlfp.metrics import ITL_GOAL_TOLERANCE, percentile
