@@ -37,15 +37,28 @@ class SLO:
 ITL_GOAL_TOLERANCE = 1.1
 
 
+def missed_goals(r: RequestRecord, ttft_goal_s: float | None, itl_target_s: float | None) -> list[str]:
+    """The goals the request missed, from `GOALS`: "failed" (no tokens, or an error), "ttft" (its
+    first token later than `ttft_goal_s`), "itl" (the P99 of its own ITLs over 1.1 x
+    `itl_target_s`); a goal of None is not judged. Empty: it met them all."""
+    if not r.ok or not r.token_times:
+        return ["failed"]
+    missed = []
+    if ttft_goal_s is not None and ttft(r) > ttft_goal_s:
+        missed.append("ttft")
+    p99 = percentile(itls(r), 99)
+    if itl_target_s is not None and p99 is not None and p99 > ITL_GOAL_TOLERANCE * itl_target_s:
+        missed.append("itl")
+    return missed
+
+
+GOALS = ("ttft", "itl", "failed")
+
+
 def goals_met(r: RequestRecord, ttft_goal_s: float | None, itl_target_s: float | None) -> bool:
     """The request's own goals: it completed, its TTFT is within `ttft_goal_s`, and the P99 of
     its own ITLs is within 1.1 x `itl_target_s` (a goal of None is not judged)."""
-    if not r.ok or not r.token_times:
-        return False
-    if ttft_goal_s is not None and ttft(r) > ttft_goal_s:
-        return False
-    p99 = percentile(itls(r), 99)
-    return itl_target_s is None or p99 is None or p99 <= ITL_GOAL_TOLERANCE * itl_target_s
+    return not missed_goals(r, ttft_goal_s, itl_target_s)
 
 
 def ttft(r: RequestRecord) -> float:

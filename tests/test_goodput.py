@@ -5,8 +5,11 @@ from dataclasses import replace
 
 import pytest
 
+from dlfp.bench.analysis import trial_row
+from dlfp.bench.doc_tables import _missed
 from dlfp.bench.paired import background_metric, goodput_summary, paired_table
-from dlfp.metrics import goals_met
+from dlfp.bench.runner import TrialRun
+from dlfp.metrics import SLO, goals_met, missed_goals
 from dlfp.observer import StepObserver
 from dlfp.protocol import TIMING_SYNC_WALL, Capabilities
 from dlfp.scheduler import Scheduler
@@ -16,9 +19,9 @@ from dlfp.server.errors import APIError
 from dlfp.server.schemas import CompletionRequest, parse
 from dlfp.stats import paired_differences
 from dlfp.tail import TailDLFP, TailParams
-from dlfp.trace import RequestRecord
+from dlfp.trace import RequestRecord, Trace
 from dlfp.workloads.schedule import build_schedule
-from dlfp.workloads.specs import Gate, Goals, get_spec
+from dlfp.workloads.specs import Gate, Goals, RequestClass, WorkloadSpec, get_spec
 
 
 def test_a_request_carries_its_own_goals_and_background_has_none():
@@ -118,6 +121,43 @@ def test_a_request_meets_its_goals_by_its_ttft_and_its_own_p99_itl():
     assert not goals_met(record(1.0, steady[:-1] + [0.2]), 5.0, 0.05)  # one stall in 63 ITLs is past its P99
     assert goals_met(record(1.0, steady[:-1] + [0.2]), 5.0, 0.15)  # within a slower chat's own target
     assert not goals_met(record(1.0, steady, error="boom"), 5.0, 0.05)
+
+
+def test_a_missed_request_says_which_goal_it_missed():
+    steady = [0.05] * 63
+    assert missed_goals(record(1.0, steady), 5.0, 0.05) == []
+    assert missed_goals(record(6.0, steady[:-1] + [0.2]), 5.0, 0.05) == ["ttft", "itl"]
+    assert missed_goals(record(6.0, steady), None, 0.05) == []  # a goal of None is not judged
+    assert missed_goals(record(1.0, steady, error="boom"), 5.0, 0.05) == ["failed"]
+
+
+def test_a_trial_counts_the_goals_its_requests_missed_and_an_arm_sums_them():
+    spec = WorkloadSpec("t", "test", (RequestClass("chat", FOREGROUND, 4, 3, count=5, rate=10.0),),
+                        SLO(ttft_s=1.0), warmup=0)
+    sched = build_schedule(spec, 1, 1000)
+    ids = [p.request_id for p in sched.measured]
+    trace = Trace(origin=0.0)
+
+    def add(rid, ttft_s, gaps, error=None):
+        times = [10.0 + ttft_s]
+        for g in gaps:
+            times.append(times[-1] + g)
+        times = [] if error else times
+        trace.add_request(RequestRecord(rid, FOREGROUND, "chat", 10.0, 4, [1] * len(times), times,
+                                        "error" if error else "length", error, times[-1] if times else 10.0))
+
+    add(ids[0], 0.5, [0.05, 0.05])  # met
+    add(ids[1], 2.0, [0.05, 0.05])  # late first token
+    add(ids[2], 0.5, [0.05, 0.3])  # a stall: its own P99 over 1.1 x 50 ms
+    add(ids[3], 0.0, [], error="boom")  # failed; ids[4] never reported: failed too
+    row = trial_row(TrialRun(1, "dlfp", 0, trace), sched, spec, itl_target_ms=50.0)
+    assert row["goals_met"] == 1 and row["goals_missed"] == {"ttft": 1, "itl": 1, "failed": 2}
+    rows = [dict(row, seed=s, policy="dlfp", bg_prompt_tok_s_client=1.0) for s in (1, 2)]
+    arm = goodput_summary(rows, ["dlfp"], "bg_prompt_tok_s_client")["arms"]["dlfp"]
+    assert arm["missed"] == {"ttft": 2, "itl": 2, "failed": 4}
+    assert _missed(arm) == "; goals missed: TTFT 2, ITL 2, failed 4"
+    old = [{k: v for k, v in r.items() if k != "goals_missed"} for r in rows]  # rows from before the count
+    assert "missed" not in goodput_summary(old, ["dlfp"], "bg_prompt_tok_s_client")["arms"]["dlfp"]
 
 
 def test_goodput_changes_are_differences_in_points():

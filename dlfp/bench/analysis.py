@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from dlfp.bench.runner import TrialRun
-from dlfp.metrics import goals_met, itls, percentile, request_metrics, ttft
+from dlfp.metrics import GOALS, itls, missed_goals, percentile, request_metrics, ttft
 from dlfp.sequence import BACKGROUND, FOREGROUND
 from dlfp.trace import RequestRecord, StepRecord, control_counts, rule_counts
 from dlfp.workloads.schedule import Schedule
@@ -63,8 +63,14 @@ def trial_row(run: TrialRun, schedule: Schedule, spec: WorkloadSpec, itl_target_
     row["goodput_fraction"] = row["slo_met"] / n_fg if n_fg else None
     # Goodput: foreground requests that met their own goals (a request's, else the run's target
     # and the workload's TTFT SLO), against every submitted one.
-    row["goals_met"] = sum(1 for r in fg if r.request_id in done_ids and _own_goals_met(r, spec, itl_target_ms))
+    missed = {r.request_id: _own_goals_missed(r, spec, itl_target_ms) if r.request_id in done_ids else ["failed"]
+              for r in fg}
+    row["goals_met"] = sum(1 for m in missed.values() if not m)
     row["goodput"] = row["goals_met"] / n_fg if n_fg else None
+    # Which goal each miss was (a request may miss both TTFT and ITL); a submitted foreground
+    # request with no record at all failed.
+    row["goals_missed"] = {g: sum(g in m for m in missed.values()) + (n_fg - len(missed)) * (g == "failed")
+                           for g in GOALS}
     row["bg_completed"] = sum(1 for r in bg if r.request_id in done_ids)
     fg_done = [r for r in fg if r.request_id in done_ids]
     row.update(_stalls(fg_done))
@@ -107,11 +113,11 @@ def _stalls(fg: list[RequestRecord]) -> dict:
             "stall_s_over_1s": sum(g for g in gaps if g > STALL_S) if gaps else None}
 
 
-def _own_goals_met(r: RequestRecord, spec: WorkloadSpec, itl_target_ms: float | None) -> bool:
+def _own_goals_missed(r: RequestRecord, spec: WorkloadSpec, itl_target_ms: float | None) -> list[str]:
     """Judged by the goals the request carried (its trace record), else the run's."""
     ttft_s = r.ttft_goal_s if r.ttft_goal_s is not None else spec.slo.ttft_s
     target_s = r.itl_target_s if r.itl_target_s is not None else (None if itl_target_ms is None else itl_target_ms / 1e3)
-    return goals_met(r, ttft_s, target_s)
+    return missed_goals(r, ttft_s, target_s)
 
 
 def _by_turn(fg: list[RequestRecord], planned: dict) -> dict:

@@ -410,10 +410,18 @@ def goodput(folder: Path, cfg: dict) -> list[str]:
             iv = a["interval"]
             ci = f" [{iv['low']:.2f}, {iv['high']:.2f}]" if iv.get("low") is not None else ""
             out.append(f"- {arm}: goodput {a['mean']:.2f}{ci} (mean [95% CI] over {a['trials']} trials), "
-                       f"on the frontier in {a['on_frontier']}, highest in {a['highest']}.")
+                       f"on the frontier in {a['on_frontier']}, highest in {a['highest']}{_missed(a)}.")
         if "verdict" in g:
             out.append(f"- {g['verdict']}.")
     return out
+
+
+def _missed(arm: dict) -> str:
+    """Which goals an arm's requests missed over its trials (where its rows count them)."""
+    m = arm.get("missed")
+    if m is None:
+        return ""
+    return f"; goals missed: TTFT {m['ttft']}, ITL {m['itl']}" + (f", failed {m['failed']}" if m["failed"] else "")
 
 
 def _slo(r: dict) -> str:

@@ -9,7 +9,7 @@ accounted for, and none failed; an invalid trial fails the gate.
 """
 from __future__ import annotations
 
-from dlfp.metrics import ITL_GOAL_TOLERANCE
+from dlfp.metrics import GOALS, ITL_GOAL_TOLERANCE
 from dlfp.stats import paired_changes, paired_differences, t_interval
 from dlfp.workloads.specs import Gate
 
@@ -238,6 +238,9 @@ def goodput_summary(rows: list[dict], arms: list[str], x_metric: str) -> dict | 
             per_arm[a] = {"mean": sum(values) / len(values), "interval": t_interval(values).to_dict(),
                           "on_frontier": sum(a in t["frontier"] for t in trials.values()),
                           "highest": sum(a in t["highest"] for t in trials.values()), "trials": len(values)}
+            missed = [by[(s, a)].get("goals_missed") for s in seeds if (s, a) in by]
+            if all(missed):  # which goal the misses were, over the trials (rows that count them)
+                per_arm[a]["missed"] = {g: sum(m.get(g, 0) for m in missed) for g in GOALS}
     out = {"x_metric": x_metric, "trials": trials, "arms": per_arm}
     if "dlfp" in per_arm:
         d, n = per_arm["dlfp"], per_arm["dlfp"]["trials"]

@@ -138,12 +138,14 @@ def goodput_lines(result: dict, console: Console) -> None:
         return
     table = Table(title="goodput: foreground requests that met their own goals (TTFT, own P99 ITL <= 1.1 x target); "
                         f"frontier: no other arm has higher goodput and higher {g['x_metric']} in the trial")
-    for col in ("arm", "goodput mean [95% CI]", "on frontier", "highest"):
+    for col in ("arm", "goodput mean [95% CI]", "on frontier", "highest", "missed TTFT / ITL / failed"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for arm, a in g["arms"].items():
         iv = a["interval"]
         ci = f"{a['mean']:.2f}" + (f" [{iv['low']:.2f}, {iv['high']:.2f}]" if iv.get("low") is not None else "")
-        table.add_row(arm, ci, f"{a['on_frontier']}/{a['trials']}", f"{a['highest']}/{a['trials']}")
+        m = a.get("missed")
+        missed = f"{m['ttft']} / {m['itl']} / {m['failed']}" if m else "-"
+        table.add_row(arm, ci, f"{a['on_frontier']}/{a['trials']}", f"{a['highest']}/{a['trials']}", missed)
     console.print(table)
     if "verdict" in g:
         console.print(f"  goodput: {g['verdict']}")
