@@ -409,8 +409,9 @@ def goodput(folder: Path, cfg: dict) -> list[str]:
         for arm, a in g["arms"].items():
             iv = a["interval"]
             ci = f" [{iv['low']:.2f}, {iv['high']:.2f}]" if iv.get("low") is not None else ""
-            out.append(f"- {arm}: goodput {a['mean']:.2f}{ci} (mean [95% CI] over {a['trials']} trials), "
-                       f"on the frontier in {a['on_frontier']}, highest in {a['highest']}{_missed(a)}.")
+            against = f", on the frontier in {a['on_frontier']}, highest in {a['highest']}" if len(g["arms"]) > 1 else ""
+            out.append(f"- {arm}: goodput {a['mean']:.2f}{ci} (mean [95% CI] over {a['trials']} trials)"
+                       f"{against}{_missed(a)}.")
         if "verdict" in g:
             out.append(f"- {g['verdict']}.")
     return out

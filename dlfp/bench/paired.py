@@ -242,7 +242,7 @@ def goodput_summary(rows: list[dict], arms: list[str], x_metric: str) -> dict | 
             if all(missed):  # which goal the misses were, over the trials (rows that count them)
                 per_arm[a]["missed"] = {g: sum(m.get(g, 0) for m in missed) for g in GOALS}
     out = {"x_metric": x_metric, "trials": trials, "arms": per_arm}
-    if "dlfp" in per_arm:
+    if "dlfp" in per_arm and len(per_arm) > 1:  # alone, no arm to be on a frontier against
         d, n = per_arm["dlfp"], per_arm["dlfp"]["trials"]
         out["verdict"] = (f"dlfp on the goodput frontier in {d['on_frontier']} of {n} trials; "
                           f"goodput at least every other arm's in {d['highest']} of {n}")
