@@ -37,6 +37,9 @@ class SLO:
 ITL_GOAL_TOLERANCE = 1.1
 
 
+GOALS = ("ttft", "itl", "failed")  # what a request's miss can be (`missed_goals`)
+
+
 def missed_goals(r: RequestRecord, ttft_goal_s: float | None, itl_target_s: float | None) -> list[str]:
     """The goals the request missed, from `GOALS`: "failed" (no tokens, or an error), "ttft" (its
     first token later than `ttft_goal_s`), "itl" (the P99 of its own ITLs over 1.1 x
@@ -50,9 +53,6 @@ def missed_goals(r: RequestRecord, ttft_goal_s: float | None, itl_target_s: floa
     if itl_target_s is not None and p99 is not None and p99 > ITL_GOAL_TOLERANCE * itl_target_s:
         missed.append("itl")
     return missed
-
-
-GOALS = ("ttft", "itl", "failed")
 
 
 def goals_met(r: RequestRecord, ttft_goal_s: float | None, itl_target_s: float | None) -> bool:
