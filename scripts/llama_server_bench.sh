@@ -17,6 +17,9 @@
 #   LLAMA_SERVER=0 (only `dlfp serve` unbounded and dlfp: nothing built, no llama-server arm)
 #   LS_ARGS="-b 8 -ub 8" (extra llama-server options, e.g. the small batch a user tunes for smooth
 #   chat; the arm is then named llama-server-b8 after its -b)
+#   LS_VARIANTS="; -b 8 -ub 8" (several llama-server arms in the one bench, their option sets
+#   split at ";", an empty one the server's defaults; the first on the first of PORTS, the
+#   others on the ports after its last; the default: LS_ARGS alone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -98,14 +101,20 @@ trap cleanup EXIT
 # positions (non-unified KV, as dlfp's default); batch sizes stay the server's defaults
 # (n_batch 2048, n_ubatch 512): that is what a user runs.
 ENDPOINTS=()
+LS_PORTS=()
 if [ "$LLAMA_SERVER" = 1 ]; then
-  # shellcheck disable=SC2086
-  "$BIN" -m "$MODEL" --host 127.0.0.1 --port "$P_LS" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" \
-    -c $((SLOTS * CTX_PER_SLOT)) --no-kv-unified --no-repack -fa off --no-webui ${LS_ARGS:-} >"$OUT/llama-server.log" 2>&1 &
-  PIDS+=($!)
-  LS_NAME=llama-server
-  [[ " ${LS_ARGS:-} " =~ \ -b\ ([0-9]+) ]] && LS_NAME=llama-server-b${BASH_REMATCH[1]}
-  ENDPOINTS+=(--endpoint "$LS_NAME=http://127.0.0.1:$P_LS/v1")
+  IFS=';' read -r -a LS_SETS <<<"${LS_VARIANTS-${LS_ARGS:-}}"
+  [ "${#LS_SETS[@]}" -gt 0 ] || LS_SETS=("")
+  for i in "${!LS_SETS[@]}"; do
+    opts=${LS_SETS[$i]} port=$((i ? P_DLFP + i : P_LS)) name=llama-server
+    [[ " $opts " =~ \ -b\ ([0-9]+) ]] && name=llama-server-b${BASH_REMATCH[1]}
+    # shellcheck disable=SC2086
+    "$BIN" -m "$MODEL" --host 127.0.0.1 --port "$port" -t "$THREADS" -tb "$THREADS" -np "$SLOTS" \
+      -c $((SLOTS * CTX_PER_SLOT)) --no-kv-unified --no-repack -fa off --no-webui $opts >"$OUT/$name.log" 2>&1 &
+    PIDS+=($!)
+    LS_PORTS+=("$port")
+    ENDPOINTS+=(--endpoint "$name=http://127.0.0.1:$port/v1")
+  done
 fi
 for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
   read -r policy port <<<"$spec"
@@ -114,8 +123,7 @@ for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
   PIDS+=($!)
 done
 ENDPOINTS+=(--endpoint "unbounded=http://127.0.0.1:$P_UNB/v1" --endpoint "dlfp=http://127.0.0.1:$P_DLFP/v1")
-PORTS_UP=("$P_UNB" "$P_DLFP")
-[ "$LLAMA_SERVER" = 1 ] && PORTS_UP+=("$P_LS")
+PORTS_UP=("$P_UNB" "$P_DLFP" "${LS_PORTS[@]}")
 for port in "${PORTS_UP[@]}"; do
   for _ in $(seq 120); do
     curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break

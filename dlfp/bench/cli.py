@@ -11,6 +11,7 @@ from click.core import ParameterSource
 from dlfp.bench.config import BenchArgs, load_args
 from dlfp.cli import HOLD_HELP, POLICY_HELP, UserError, _policy_list, get_profile, open_backend
 from dlfp.prefix_cache import DEFAULT_HOLD_S
+from dlfp.workloads.specs import SPECS
 
 
 def _split(spec: str | None) -> list[str] | None:
@@ -19,7 +20,7 @@ def _split(spec: str | None) -> list[str] | None:
 
 @click.command()
 @click.option("--workload", default="laptop", show_default=True,
-              help="chat, rag, agent, decode-heavy, laptop, low-interference, multi-turn, multi-turn-ingest")
+              help=", ".join(SPECS))
 @click.option("--policies", default="unbounded,dlfp", show_default=True, help=POLICY_HELP + " (first: baseline)")
 @click.option("--seeds", type=int, multiple=True, help="Seeds, repeatable or space-separated  [default: 801 802 803]")
 @click.option("--rate", type=float, default=None, help="Foreground requests/s (default: the workload's).")
