@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from dlfp.bench.analysis import trial_row
-from dlfp.bench.doc_tables import _missed
+from dlfp.bench.doc_tables import _fg_submitted, _missed
 from dlfp.bench.paired import background_metric, goodput_summary, paired_table
 from dlfp.bench.runner import TrialRun
 from dlfp.metrics import SLO, goals_met, missed_goals
@@ -160,6 +160,13 @@ def test_a_trial_counts_the_goals_its_requests_missed_and_an_arm_sums_them():
     assert _missed(arm) == "; goals missed: TTFT 2, ITL 2, failed 4"
     old = [{k: v for k, v in r.items() if k != "goals_missed"} for r in rows]  # rows from before the count
     assert "missed" not in goodput_summary(old, ["dlfp"], "bg_prompt_tok_s_client")["arms"]["dlfp"]
+
+
+def test_a_trial_that_met_no_goal_still_says_of_how_many():
+    row = {"goals_met": 0, "goodput": 0.0, "fg_completed": 10, "goals_missed": {"ttft": 7, "itl": 10, "failed": 2}}
+    assert _fg_submitted(row) == 12  # completed and failed: every submitted foreground request
+    assert _fg_submitted({"goals_met": 3, "goodput": 0.25}) == 12  # a row from before the count
+    assert _fg_submitted({"goals_met": 0, "goodput": 0.0}) is None  # nothing to say it by
 
 
 def test_goodput_changes_are_differences_in_points():

@@ -386,6 +386,14 @@ def side_by_side(folder: Path, cfg: dict) -> list[str]:
     return out
 
 
+def _fg_submitted(r: dict) -> int | None:
+    """The foreground requests a trial row's goodput counts against: the completed ones and the
+    failed (rows that count which goals were missed), else its goals met over its goodput."""
+    if "goals_missed" in r and "fg_completed" in r:
+        return r["fg_completed"] + r["goals_missed"]["failed"]
+    return round(r["goals_met"] / r["goodput"]) if r.get("goodput") else None
+
+
 def goodput(folder: Path, cfg: dict) -> list[str]:
     """Per seed and arm: requests that met their own goals, beside P99 ITL, TTFT and background
     work (`background_metric`: while a chat streams, or client side where endpoints ran); the
@@ -398,7 +406,7 @@ def goodput(folder: Path, cfg: dict) -> list[str]:
                    "bg tok/s while a chat streams" if x == FG_ACTIVE_BG else "bg prompt tok/s (client)",
                    "on the goodput frontier"], 2)
     for r in sorted(rows, key=lambda r: (r["seed"], arms.index(r["policy"]))):
-        n = round(r["goals_met"] / r["goodput"]) if r.get("goodput") else None
+        n = _fg_submitted(r)
         met = f"{r['goals_met']} / {n}" if n else str(r.get("goals_met", "-"))
         frontier = r["policy"] in g["trials"][str(r["seed"])]["frontier"] if g else None
         ttft = r.get("ttft_p99_ms")
