@@ -26,3 +26,25 @@ def test_study_runs_and_orders_fixed_caps(tmp_path):
     # dlfp was fed through the engine's observer and held the foreground below a large static cap.
     assert rows["dlfp"]["turns"] > 0 and rows["dlfp"]["shifted"]["itl_p99_ms"] is not None
     assert rows["dlfp"]["itl_p99_ms"] < rows["fixed:8"]["itl_p99_ms"]
+
+
+def test_two_builds_studies_pair_up_condition_by_condition(tmp_path):
+    import gzip
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("study_paired", TRACE.parents[2] / "scripts/study_paired.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+
+    def written(name: str, rows: list[tuple[bool, float]]) -> Path:
+        conds = [{"summary": {"designs": {"dlfp": {"meets": m, "bg_tok_s": bg}}}} for m, bg in rows]
+        path = tmp_path / name
+        with gzip.open(path, "wt") as f:
+            json.dump({"conditions": conds}, f)
+        return path
+
+    cand = written("cand.json.gz", [(True, 2.0), (True, 1.0), (False, 9.0)])
+    base = written("base.json.gz", [(True, 1.0), (False, 1.0), (True, 1.0)])
+    lines = paired.compare([cand], [base])
+    assert lines[0] == "cand.json.gz: met 2, base.json.gz 2 of 3"
+    assert lines[-1].startswith("in all: candidate 2, baseline 2 of 3") and "geometric 2.000" in lines[-1]
+    assert "over 1 conditions" in lines[-1]  # only the condition both met is paired
