@@ -312,6 +312,38 @@ def test_neighbour_child_process_starts_and_stops():
     n.stop()  # idempotent
 
 
+def test_the_neighbour_ends_with_a_bench_killed_before_it_could_stop_it():
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    start = "from dlfp.bench.neighbour import Neighbour; import time; n = Neighbour(); n.start(); " \
+            "print(n.proc.pid, flush=True); time.sleep(60)"
+
+    def spinning(proc: psutil.Process) -> bool:
+        try:
+            return proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    bench = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, text=True)
+    spinner = psutil.Process(int(bench.stdout.readline()))
+    try:
+        assert spinning(spinner)
+        bench.kill()  # no `stop()` runs: SIGKILL, as a SIGTERM with no handler would
+        bench.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and spinning(spinner):
+            time.sleep(0.05)
+        left = spinning(spinner)
+    finally:
+        if spinning(spinner):
+            spinner.kill()
+    assert not left
+
+
 def test_trial_row_splits_phases_around_the_neighbour():
     sched = build_schedule(SPEC, 1, 1000)
     ids = [p.request_id for p in sched.measured]

@@ -6,11 +6,19 @@ records when it ran, so each phase's figures can be separated.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
-SPIN = "while True:\n    pass\n"
+# It spins until its parent is gone: a bench killed by a signal runs no `stop()`, and a
+# spinner it left behind would slow every later run on the machine (checked every ~100k
+# iterations, a few ms: the core stays busy). The parent's pid comes as an argument: a
+# parent that dies while the child's interpreter starts must not be missed.
+SPIN = ("import os, sys\n"
+        "while os.getppid() == int(sys.argv[1]):\n"
+        "    for _ in range(100_000):\n"
+        "        pass\n")
 
 
 class Neighbour:
@@ -22,7 +30,7 @@ class Neighbour:
 
     def start(self) -> None:
         if self.proc is None:
-            self.proc = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen([sys.executable, "-c", SPIN, str(os.getpid())], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.started_s = self.clock()
 
