@@ -43,7 +43,8 @@ def is_stock(policy: PrefillPolicy | str) -> bool:
     return isinstance(policy, Unbounded) or (isinstance(policy, str) and policy.strip() == STOCK_POLICY)
 
 
-PROFILE_OVERRIDES = ("preemption_budget_ms",)  # profile fields a `dlfp:` spec may name
+# Profile fields a `dlfp:` spec may name: what an arm varies beside the controller's parameters.
+PROFILE_OVERRIDES = ("preemption_budget_ms", "contention_window_ms", "contention_share")
 
 
 def arm_profile(spec: str | PrefillPolicy, profile: DeviceProfile) -> tuple[str | PrefillPolicy, DeviceProfile]:
@@ -113,7 +114,7 @@ def build_engine(
     if governor and not is_stock(pol):
         engine.thread_governor = _thread_governor(engine, backend)
         if engine.thread_governor is not None:
-            engine.contention_watch = _contention_watch(engine, backend)
+            engine.contention_watch = _contention_watch(engine, backend, profile)
     return engine.start() if start else engine
 
 
@@ -145,7 +146,7 @@ def _thread_governor(engine: Engine, backend: Backend):
     return ThreadGovernor(watch.read, backend.max_threads, poll_s=0.0)  # two /proc reads a step
 
 
-def _contention_watch(engine: Engine, backend: Backend):
+def _contention_watch(engine: Engine, backend: Backend, profile: DeviceProfile):
     """Cuts a guarded step on several threads once another program slows it, where the backend
     can cut a step and the kernel reports CPU pressure (dlfp/contention.py)."""
     if not backend.capabilities.cut_steps:
@@ -156,7 +157,8 @@ def _contention_watch(engine: Engine, backend: Backend):
     if stalled is None:
         log.info("no CPU pressure counter (/proc/pressure/cpu): steps are cut at their deadline only")
         return None
-    watch = ContentionWatch(stalled, backend.cut_step)
+    watch = ContentionWatch(stalled, backend.cut_step, share=profile.contention_share,
+                            window_s=profile.contention_window_ms / 1e3)
     engine.companions.append(watch)
     return watch
 

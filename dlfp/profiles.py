@@ -29,6 +29,10 @@ class DeviceProfile:
     battery_min_percent: float = 0.0
     # A foreground request's time-to-first-token goal where it names none: its prompt's deadline.
     ttft_goal_ms: float = 5000.0
+    # The contention watch (dlfp/contention.py): a guarded step is cut once some task has waited
+    # for a core this share of the latest window (docs/controller.md says why these values).
+    contention_window_ms: float = 20.0
+    contention_share: float = 0.35
 
     def controller_params(self, itl_target_ms: float | None = None) -> TailParams:
         """The controller's parameters; `itl_target_ms` overrides the profile's goal."""

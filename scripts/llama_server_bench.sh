@@ -14,12 +14,16 @@
 #   SLOTS=4 CTX_PER_SLOT=2048 (the cpu-laptop profile's)  OUT=runs/llama-server-side-by-side
 #   CACHE_PROMPT=1 (0: every request sends cache_prompt=false)  BENCH_ARGS="..." (extra dlfp bench options)
 #   PORTS="8201 8202 8203"  JOBS=<nproc>  DLFP_LLAMA_SERVER_CACHE=~/.cache/dlfp/llama-server
-#   LLAMA_SERVER=0 (only `dlfp serve` unbounded and dlfp: nothing built, no llama-server arm)
+#   LLAMA_SERVER=0 (only the `dlfp serve` arms: nothing built, no llama-server arm)
 #   LS_ARGS="-b 8 -ub 8" (extra llama-server options, e.g. the small batch a user tunes for smooth
 #   chat; the arm is then named llama-server-b8 after its -b)
 #   LS_VARIANTS="; -b 8 -ub 8" (several llama-server arms in the one bench, their option sets
 #   split at ";", an empty one the server's defaults; the first on the first of PORTS, the
 #   others on the ports after its last; the default: LS_ARGS alone)
+#   DLFP_POLICIES="unbounded dlfp" (the `dlfp serve` arms, one server each: the first on the
+#   second of PORTS, the second on the third, any others from the third + 18; an arm is named
+#   after its policy with ":" and "=" as "-", e.g. dlfp:contention_window_ms=40 ->
+#   dlfp-contention_window_ms-40)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -116,14 +120,18 @@ if [ "$LLAMA_SERVER" = 1 ]; then
     ENDPOINTS+=(--endpoint "$name=http://127.0.0.1:$port/v1")
   done
 fi
-for spec in "unbounded $P_UNB" "dlfp $P_DLFP"; do
-  read -r policy port <<<"$spec"
-  "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" --state-dir "$STATE/$policy" \
-    >"$OUT/dlfp-serve-$policy.log" 2>&1 &
+DLFP_PORTS=()
+read -r -a SERVE_POLICIES <<<"${DLFP_POLICIES:-unbounded dlfp}"
+for i in "${!SERVE_POLICIES[@]}"; do
+  policy=${SERVE_POLICIES[$i]} name=${SERVE_POLICIES[$i]//[:=]/-}
+  port=$((i == 0 ? P_UNB : i == 1 ? P_DLFP : P_DLFP + 16 + i))  # past the llama-server variants' ports
+  "$DLFP" serve --model "$MODEL" --threads "$THREADS" --policy "$policy" --port "$port" --state-dir "$STATE/$name" \
+    >"$OUT/dlfp-serve-$name.log" 2>&1 &
   PIDS+=($!)
+  DLFP_PORTS+=("$port")
+  ENDPOINTS+=(--endpoint "$name=http://127.0.0.1:$port/v1")
 done
-ENDPOINTS+=(--endpoint "unbounded=http://127.0.0.1:$P_UNB/v1" --endpoint "dlfp=http://127.0.0.1:$P_DLFP/v1")
-PORTS_UP=("$P_UNB" "$P_DLFP" "${LS_PORTS[@]}")
+PORTS_UP=("${DLFP_PORTS[@]}" "${LS_PORTS[@]}")
 for port in "${PORTS_UP[@]}"; do
   for _ in $(seq 120); do
     curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break

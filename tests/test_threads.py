@@ -279,3 +279,24 @@ def test_reduced_thread_steps_count_against_the_backends_threads():
                   clock=clock.now).trace.max_threads == 2
     assert Engine(SimBackend(clock=clock), TailDLFP(TailParams(0.1, 4, 1, 64)),
                   clock=clock.now).trace.max_threads is None
+
+
+def test_an_arm_sets_the_contention_watch_from_its_profile(tiny_gguf):
+    from dlfp.assembly import build_engine
+    from dlfp.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+    from dlfp.devices.pressure import cpu_stall_reader
+    from dlfp.protocol import Limits
+    from dlfp.profiles import load_profile
+
+    if cpu_stall_reader() is None:
+        pytest.skip("no /proc/pressure/cpu: no contention watch to set")
+    backend = LlamaCppBackend(LlamaCppConfig(str(tiny_gguf), limits=Limits(2, 256, 64), n_threads=2))
+    try:
+        profile = load_profile("cpu-laptop")
+        default = build_engine(backend, "dlfp", profile, probe_period_s=None, start=False).contention_watch
+        arm = build_engine(backend, "dlfp:contention_window_ms=40:contention_share=0.5", profile,
+                           probe_period_s=None, start=False).contention_watch
+    finally:
+        backend.close()
+    assert (default.window_s, default.share) == (profile.contention_window_ms / 1e3, profile.contention_share)
+    assert (arm.window_s, arm.share) == (0.04, 0.5)
