@@ -25,8 +25,9 @@ from typing import Callable
 
 
 class ContentionWatch:
-    def __init__(self, stalled_s: Callable[[], float], cut: Callable[[], None], share: float = 0.35,
-                 window_s: float = 0.02, poll_s: float = 0.005):
+    def __init__(self, stalled_s: Callable[[], float], cut: Callable[[], None], *, share: float,
+                 window_s: float, poll_s: float = 0.005):
+        # share and window_s: the device profile's (contention_share, contention_window_ms), their one home.
         if not 0 < share <= 1 or window_s <= 0 or poll_s <= 0:
             raise ValueError(f"need 0 < share <= 1, window_s > 0, poll_s > 0; got {share}, {window_s}, {poll_s}")
         self.stalled_s, self.cut = stalled_s, cut

@@ -34,6 +34,11 @@ class DeviceProfile:
     contention_window_ms: float = 20.0
     contention_share: float = 0.35
 
+    def __post_init__(self) -> None:
+        if not (self.contention_window_ms > 0 and 0 < self.contention_share <= 1):
+            raise ValueError(f"need contention_window_ms > 0 and 0 < contention_share <= 1; got "
+                             f"{self.contention_window_ms}, {self.contention_share}")
+
     def controller_params(self, itl_target_ms: float | None = None) -> TailParams:
         """The controller's parameters; `itl_target_ms` overrides the profile's goal."""
         return params_from_table(self.controller, itl_target_ms)

@@ -70,11 +70,12 @@ def test_the_watch_cuts_once_waiting_covers_its_share_and_not_before():
     finally:
         watch.stop()
     with pytest.raises(ValueError):
-        ContentionWatch(counter, lambda: None, share=0)
+        ContentionWatch(counter, lambda: None, share=0, window_s=0.02)
     # A program that starts late in a step is seen a window after it starts, not diluted by
     # the quiet part of the step before it.
     counter.set(0.0)
-    late = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), window_s=0.02, poll_s=0.002).start()
+    late = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), share=0.35, window_s=0.02,
+                           poll_s=0.002).start()
     try:
         late.arm(1.0)
         time.sleep(0.1)
@@ -129,7 +130,8 @@ def test_a_step_another_program_slows_is_cut_its_decodes_rerun_and_the_policy_no
     counter = Counter()
     backend = TwoThreadSim(SimCost(base_s=0.01, decode_s=0.002, prefill_token_s=0.004), sleep=True)
     engine = Engine(backend, TailDLFP(TailParams(0.1, 4, 1, 256, 1)), EngineConfig(preemption_budget_s=0.1))
-    engine.contention_watch = ContentionWatch(counter, backend.cut_step, window_s=0.01, poll_s=0.002)
+    engine.contention_watch = ContentionWatch(counter, backend.cut_step, share=0.35, window_s=0.01,
+                                              poll_s=0.002)
     engine.companions.append(engine.contention_watch)
     contended = lambda: any(s.cut_by == CONTENTION for s in engine.trace.steps)  # noqa: E731
     engine.thread_governor = lambda now: 1 if contended() else 2
@@ -166,7 +168,8 @@ def test_a_decode_only_step_another_program_slows_is_cut_and_rerun_on_one_thread
     counter = Counter()
     backend = TwoThreadSim(SimCost(base_s=0.01, decode_s=0.002, prefill_token_s=0.004), sleep=True)
     engine = Engine(backend, TailDLFP(TailParams(0.1, 4, 1, 256, 1)), EngineConfig())
-    engine.contention_watch = ContentionWatch(counter, backend.cut_step, window_s=0.01, poll_s=0.002)
+    engine.contention_watch = ContentionWatch(counter, backend.cut_step, share=0.35, window_s=0.01,
+                                              poll_s=0.002)
     engine.companions.append(engine.contention_watch)
     engine.thread_governor = lambda now: 2  # keeps two threads: only the rerun runs on one
 
