@@ -24,16 +24,15 @@ def conditions(path: Path) -> list[dict]:
 
 
 def compare(candidates: list[Path], baselines: list[Path]) -> list[str]:
-    lines, ratios, met = [], [], [0, 0]
+    lines, ratios, met, total = [], [], [0, 0], 0
     for cand, base in zip(candidates, baselines, strict=True):
         a, b = conditions(cand), conditions(base)
         if len(a) != len(b):
             raise SystemExit(f"{cand} and {base} hold different conditions ({len(a)} against {len(b)})")
         here = [sum(d["meets"] for d in a), sum(d["meets"] for d in b)]
         lines.append(f"{cand.name}: met {here[0]}, {base.name} {here[1]} of {len(a)}")
-        met = [met[0] + here[0], met[1] + here[1]]
+        met, total = [met[0] + here[0], met[1] + here[1]], total + len(a)
         ratios += [da["bg_tok_s"] / db["bg_tok_s"] for da, db in zip(a, b) if da["meets"] and db["meets"]]
-    total = sum(len(conditions(p)) for p in candidates)
     summary = f"in all: candidate {met[0]}, baseline {met[1]} of {total}"
     if ratios:
         summary += (f"; background candidate / baseline where both met: geometric "

@@ -31,7 +31,8 @@ def test_study_runs_and_orders_fixed_caps(tmp_path):
 def test_two_builds_studies_pair_up_condition_by_condition(tmp_path):
     import gzip
     import importlib.util
-    spec = importlib.util.spec_from_file_location("study_paired", TRACE.parents[2] / "scripts/study_paired.py")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "study_paired.py"
+    spec = importlib.util.spec_from_file_location("study_paired", path)
     paired = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paired)
 
