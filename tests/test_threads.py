@@ -2,6 +2,7 @@
 running system, llama.cpp's thread switch on the tiny GGUF, and the engine driven on the
 SIMULATED backend (a latency model on a virtual clock, not a device) where a scripted
 neighbour takes a core mid-run."""
+from dataclasses import replace
 import statistics
 import subprocess
 import sys
@@ -300,3 +301,6 @@ def test_an_arm_sets_the_contention_watch_from_its_profile(tiny_gguf):
         backend.close()
     assert (default.window_s, default.share) == (profile.contention_window_ms / 1e3, profile.contention_share)
     assert (arm.window_s, arm.share) == (0.04, 0.5)
+    for bad in ({"contention_window_ms": 0}, {"contention_share": 1.5}):
+        with pytest.raises(ValueError, match="contention"):
+            replace(profile, **bad)
