@@ -44,7 +44,7 @@ def is_stock(policy: PrefillPolicy | str) -> bool:
 
 
 # Profile fields a `dlfp:` spec may name: what an arm varies beside the controller's parameters.
-PROFILE_OVERRIDES = ("preemption_budget_ms", "contention_window_ms", "contention_share")
+PROFILE_OVERRIDES = ("preemption_budget_ms", "contention_window_ms", "contention_core_share")
 
 
 def arm_profile(spec: str | PrefillPolicy, profile: DeviceProfile) -> tuple[str | PrefillPolicy, DeviceProfile]:
@@ -157,7 +157,7 @@ def _contention_watch(engine: Engine, backend: Backend, profile: DeviceProfile):
     if stalled is None:
         log.info("no CPU pressure counter (/proc/pressure/cpu): steps are cut at their deadline only")
         return None
-    watch = ContentionWatch(stalled, backend.cut_step, share=profile.contention_share,
+    watch = ContentionWatch(stalled, backend.cut_step, core_share=profile.contention_core_share,
                             window_s=profile.contention_window_ms / 1e3)
     engine.companions.append(watch)
     return watch

@@ -430,7 +430,7 @@ class Engine:
             return step, DoneStep(self.backend.step(step.plan))
         watch = self.contention_watch if within is not None else None
         if watch is not None:
-            watch.arm(within)
+            watch.arm(within, threads)
         try:
             result = self.backend.step_within(step.plan, limit)
         finally:

@@ -30,14 +30,15 @@ class DeviceProfile:
     # A foreground request's time-to-first-token goal where it names none: its prompt's deadline.
     ttft_goal_ms: float = 5000.0
     # The contention watch (dlfp/contention.py): a guarded step is cut once some task has waited
-    # for a core this share of the latest window (docs/controller.md says why these values).
+    # for a core this share of one core's time over the latest window (the kernel's reading over
+    # a step's N threads: this share / N; docs/controller.md says why these values).
     contention_window_ms: float = 20.0
-    contention_share: float = 0.35
+    contention_core_share: float = 0.7
 
     def __post_init__(self) -> None:
-        if not (self.contention_window_ms > 0 and 0 < self.contention_share <= 1):
-            raise ValueError(f"need contention_window_ms > 0 and 0 < contention_share <= 1; got "
-                             f"{self.contention_window_ms}, {self.contention_share}")
+        if not (self.contention_window_ms > 0 and 0 < self.contention_core_share <= 1):
+            raise ValueError(f"need contention_window_ms > 0 and 0 < contention_core_share <= 1; got "
+                             f"{self.contention_window_ms}, {self.contention_core_share}")
 
     def controller_params(self, itl_target_ms: float | None = None) -> TailParams:
         """The controller's parameters; `itl_target_ms` overrides the profile's goal."""

@@ -1,9 +1,16 @@
 """Cutting a step another program starts to slow: the CPU pressure counter read from a
 file as the kernel writes it, the watch on a scripted counter, and the engine on the
-SIMULATED backend (a latency model slept on the wall clock, not a device)."""
+SIMULATED backend (a latency model slept on the wall clock, not a device); and how the
+kernel averages the counter over cores, measured with programs pinned to them."""
+import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -47,22 +54,22 @@ class Counter:
 
 def test_the_watch_cuts_once_waiting_covers_its_share_and_not_before():
     counter, cuts = Counter(), []
-    watch = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), share=0.35, window_s=0.02,
+    watch = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), core_share=0.7, window_s=0.02,
                             poll_s=0.002).start()
     try:
         counter.set(0.1)  # a quiet machine: some task waits a tenth of the time
-        watch.arm(1.0)
+        watch.arm(1.0, 2)
         time.sleep(0.1)
         watch.disarm()
         assert not cuts and not watch.fired
         counter.set(0.5)  # another program on one core of two: half (the kernel averages over cores)
         t0 = time.perf_counter()
-        watch.arm(1.0)
+        watch.arm(1.0, 2)
         time.sleep(0.1)
         watch.disarm()
         assert len(cuts) == 1 and watch.fired  # once per step
         assert 0.02 <= cuts[0] - t0 < 0.08
-        watch.arm(1.0)  # a new step starts with no verdict
+        watch.arm(1.0, 2)  # a new step starts with no verdict
         assert not watch.fired
         watch.disarm()
         time.sleep(0.02)
@@ -70,14 +77,14 @@ def test_the_watch_cuts_once_waiting_covers_its_share_and_not_before():
     finally:
         watch.stop()
     with pytest.raises(ValueError):
-        ContentionWatch(counter, lambda: None, share=0, window_s=0.02)
+        ContentionWatch(counter, lambda: None, core_share=0, window_s=0.02)
     # A program that starts late in a step is seen a window after it starts, not diluted by
     # the quiet part of the step before it.
     counter.set(0.0)
-    late = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), share=0.35, window_s=0.02,
+    late = ContentionWatch(counter, lambda: cuts.append(time.perf_counter()), core_share=0.7, window_s=0.02,
                            poll_s=0.002).start()
     try:
-        late.arm(1.0)
+        late.arm(1.0, 2)
         time.sleep(0.1)
         t0 = time.perf_counter()
         counter.set(0.5)
@@ -86,7 +93,7 @@ def test_the_watch_cuts_once_waiting_covers_its_share_and_not_before():
         assert len(cuts) == 2 and 0 < cuts[1] - t0 < 0.05
         # Past the time a cut pays, nothing is cut.
         counter.set(0.0)
-        late.arm(0.03)
+        late.arm(0.03, 2)
         time.sleep(0.05)
         counter.set(0.5)
         time.sleep(0.06)
@@ -94,6 +101,26 @@ def test_the_watch_cuts_once_waiting_covers_its_share_and_not_before():
         assert len(cuts) == 2 and not late.fired
     finally:
         late.stop()
+
+
+def test_the_watch_reads_one_contended_core_of_a_step_on_more_threads():
+    # The kernel averages its reading over the busy cores (scripts/psi_weighting.py): another
+    # program on one of a step's four cores reads about a quarter. That cuts a step on four
+    # threads (0.7 of one core / 4 = 0.175); on two threads the same reading is half of one
+    # core's time, under the 0.7 asked (0.35), and does not.
+    counter, cuts = Counter(), []
+    watch = ContentionWatch(counter, lambda: cuts.append(True), core_share=0.7, window_s=0.02,
+                            poll_s=0.002).start()
+    try:
+        counter.set(0.25)
+        for threads, cut in ((2, False), (4, True)):
+            watch.arm(1.0, threads)
+            time.sleep(0.1)
+            watch.disarm()
+            assert watch.fired is cut and watch.share == pytest.approx(0.7 / threads)
+    finally:
+        watch.stop()
+    assert cuts == [True]
 
 
 def test_a_cut_for_contention_pays_while_the_rerun_ends_within_the_goal():
@@ -130,7 +157,7 @@ def test_a_step_another_program_slows_is_cut_its_decodes_rerun_and_the_policy_no
     counter = Counter()
     backend = TwoThreadSim(SimCost(base_s=0.01, decode_s=0.002, prefill_token_s=0.004), sleep=True)
     engine = Engine(backend, TailDLFP(TailParams(0.1, 4, 1, 256, 1)), EngineConfig(preemption_budget_s=0.1))
-    engine.contention_watch = ContentionWatch(counter, backend.cut_step, share=0.35, window_s=0.01,
+    engine.contention_watch = ContentionWatch(counter, backend.cut_step, core_share=0.7, window_s=0.01,
                                               poll_s=0.002)
     engine.companions.append(engine.contention_watch)
     contended = lambda: any(s.cut_by == CONTENTION for s in engine.trace.steps)  # noqa: E731
@@ -168,7 +195,7 @@ def test_a_decode_only_step_another_program_slows_is_cut_and_rerun_on_one_thread
     counter = Counter()
     backend = TwoThreadSim(SimCost(base_s=0.01, decode_s=0.002, prefill_token_s=0.004), sleep=True)
     engine = Engine(backend, TailDLFP(TailParams(0.1, 4, 1, 256, 1)), EngineConfig())
-    engine.contention_watch = ContentionWatch(counter, backend.cut_step, share=0.35, window_s=0.01,
+    engine.contention_watch = ContentionWatch(counter, backend.cut_step, core_share=0.7, window_s=0.01,
                                               poll_s=0.002)
     engine.companions.append(engine.contention_watch)
     engine.thread_governor = lambda now: 2  # keeps two threads: only the rerun runs on one
@@ -191,3 +218,16 @@ def test_a_decode_only_step_another_program_slows_is_cut_and_rerun_on_one_thread
     assert first.threads == 2 and first.duration_s < 0.04 and first.observed_s is None
     rerun = steps[cut[0] + 1]
     assert rerun.rule == "cut" and rerun.threads == 1 and rerun.n_decode == 1
+
+
+def test_the_kernel_averages_pressure_over_the_busy_cores_as_the_watch_assumes(tmp_path):
+    # A real measurement (scripts/psi_weighting.py): two programs on one core read about 1 with
+    # the other cores idle, about 1 / N with all N busy, and about 0 with no core contended.
+    n = os.cpu_count() or 1
+    if cpu_stall_reader() is None or shutil.which("taskset") is None or n < 2:
+        pytest.skip("needs /proc/pressure/cpu, taskset and two CPUs")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "psi_weighting.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=60,
+                   env={**os.environ, "PSI_WEIGHTING_SECONDS": "1"}, capture_output=True)
+    none, idle, busy = (r["some_share"] for r in json.loads((tmp_path / "psi_weighting.json").read_text())["rows"])
+    assert none < 0.2 and idle > 0.8 and 0.6 / n <= busy <= 1.4 / n

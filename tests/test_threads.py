@@ -295,12 +295,12 @@ def test_an_arm_sets_the_contention_watch_from_its_profile(tiny_gguf):
     try:
         profile = load_profile("cpu-laptop")
         default = build_engine(backend, "dlfp", profile, probe_period_s=None, start=False).contention_watch
-        arm = build_engine(backend, "dlfp:contention_window_ms=40:contention_share=0.5", profile,
+        arm = build_engine(backend, "dlfp:contention_window_ms=40:contention_core_share=0.5", profile,
                            probe_period_s=None, start=False).contention_watch
     finally:
         backend.close()
-    assert (default.window_s, default.share) == (profile.contention_window_ms / 1e3, profile.contention_share)
-    assert (arm.window_s, arm.share) == (0.04, 0.5)
-    for bad in ({"contention_window_ms": 0}, {"contention_share": 1.5}):
+    assert (default.window_s, default.core_share) == (profile.contention_window_ms / 1e3, profile.contention_core_share)
+    assert (arm.window_s, arm.core_share) == (0.04, 0.5)
+    for bad in ({"contention_window_ms": 0}, {"contention_core_share": 1.5}):
         with pytest.raises(ValueError, match="contention"):
             replace(profile, **bad)
