@@ -442,7 +442,7 @@ class Engine:
         if self.thread_governor is not None:  # a program that just started is what cuts most steps
             self._set_threads(self.thread_governor(self.clock()))
         step = self.scheduler.plan(obs.after_cut(), 0)  # cap 0: background decodes wait too
-        return step, DoneStep(self._rerun_on_one_thread(step, gate_label))
+        return step, DoneStep(self._rerun_on_fewer_threads(step, gate_label))
 
     def _preemptible(self, step: PlannedStep) -> bool:
         """Background prompt tokens alone, under a preemption budget (which bounds what a new
@@ -468,21 +468,24 @@ class Engine:
         nothing = PlannedStep(StepPlan(), guarded=False, cap=None, bg_cap=None, n_prefill_fg=0, n_prefill_bg=0)
         return nothing, DoneStep(StepResult(logits={}, duration_s=0.0))
 
-    def _rerun_on_one_thread(self, step: PlannedStep, gate_label: str | None) -> StepResult:
-        """A cut step's decodes, alone on one thread where the governor may switch threads.
-        What runs a step past its deadline is most often a program that has just taken a
-        core, before its load shows in the governor's reading: on every thread the decodes
-        wait at each op for the thread it descheduled (beside a neighbour that had just
-        started, such reruns took up to 305 ms on two threads; on one, 21-52 ms). The
-        rerun is not observed by the controller, so the thread count it runs on is not the
-        device's: no `device_changed`."""
+    def _rerun_on_fewer_threads(self, step: PlannedStep, gate_label: str | None) -> StepResult:
+        """A cut step's decodes, alone on one thread fewer where the governor may switch
+        threads. What runs a step past its deadline is most often a program that has just
+        taken a core, before its load shows in the governor's reading: on every thread the
+        decodes wait at each op for the thread it descheduled (beside a neighbour that had
+        just started, such reruns took up to 305 ms on two threads; on one, 21-52 ms). One
+        thread fewer leaves that core to the program; on N cores one thread alone would run
+        the decodes up to N times as long (not measured beyond two cores: on two, one thread
+        fewer is one). The rerun is not observed by the controller, so the thread count it
+        runs on is not the device's: no `device_changed`."""
         before = self.backend.threads
-        one = self.thread_governor is not None and bool(before and before > 1) and self.backend.set_threads(1)
+        fewer = (self.thread_governor is not None and bool(before and before > 1)
+                 and self.backend.set_threads(before - 1))
         self._schedule(step, gate_label)  # the trace row names the threads it ran on
         try:
             return self.backend.step(step.plan)
         finally:
-            if one:
+            if fewer:
                 self.backend.set_threads(before)
 
     def _set_threads(self, n: int) -> None:

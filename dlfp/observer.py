@@ -126,15 +126,15 @@ class StepObserver:
 
     def watch_within_s(self, threads: int = 1) -> float | None:
         """How long into the step just planned a cut for contention still pays: while its
-        decodes, rerun alone on one thread, are predicted to end within the replies' goal of
-        1.1 T (`threads` times the decision's decode-only time: threads rarely scale perfectly,
-        so a bound), and at least for half of T (dlfp/contention.py says why); None: no
-        decision to read it from."""
+        decodes, rerun alone on one thread fewer, are predicted to end within the replies' goal
+        of 1.1 T (the decision's decode-only time times `threads` / (`threads` - 1): threads
+        rarely scale perfectly, so a bound), and at least for half of T (dlfp/contention.py
+        says why); None: no decision to read it from."""
         d = self.decision
         if d is None or d.setpoint_ms is None or d.margin is None:
             return None
         target_ms = d.setpoint_ms * d.margin
-        rerun_ms = threads * d.decode_ms if d.decode_ms is not None else math.inf
+        rerun_ms = d.decode_ms * threads / max(threads - 1, 1) if d.decode_ms is not None else math.inf
         return max(target_ms / 2, ITL_GOAL_TOLERANCE * target_ms - rerun_ms) / 1e3
 
     def after_cut(self) -> int:

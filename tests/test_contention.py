@@ -131,6 +131,7 @@ def test_a_cut_for_contention_pays_while_the_rerun_ends_within_the_goal():
     obs.decision = Decision(8, "model", 1, 80.0, 1.25, 80.0, 125.0, 0, decode_ms=12.0)
     assert obs.watch_within_s(2) == pytest.approx(0.086)
     assert obs.watch_within_s(1) == pytest.approx(0.098)
+    assert obs.watch_within_s(4) == pytest.approx(0.094)  # rerun on three threads: at most 4/3 x 12 ms
     obs.decision = replace(obs.decision, decode_ms=30.0)
     assert obs.watch_within_s(2) == pytest.approx(0.05)
     obs.decision = replace(obs.decision, decode_ms=None)
@@ -187,7 +188,7 @@ def test_a_step_another_program_slows_is_cut_its_decodes_rerun_and_the_policy_no
     assert sum(s.n_prefill_bg for s in steps) == 1500  # every prompt token ran once
 
 
-def test_a_decode_only_step_another_program_slows_is_cut_and_rerun_on_one_thread():
+def test_a_decode_only_step_another_program_slows_is_cut_and_rerun_on_one_thread_fewer():
     # SIMULATED: a chat decodes alone (no prompt to load: every guarded step is decode-only,
     # which no deadline bounds). From step 20 a program takes a core: the counter says some
     # task always waits and each step costs 5x. The watch cuts the next decode-only step on

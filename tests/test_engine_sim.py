@@ -326,19 +326,21 @@ class ThreadedSim(SimBackend):
         return super().step(plan)
 
 
-def test_a_cut_steps_decodes_rerun_on_one_thread_and_the_threads_come_back():
-    # A governed engine (the governor always wants both threads): the rerun after a cut runs on
-    # one thread, the trace row says so, every other step runs on two, and the controller is
-    # not told of a device change (the rerun is not observed).
+@pytest.mark.parametrize("threads", [2, 4])
+def test_a_cut_steps_decodes_rerun_on_one_thread_fewer_and_the_threads_come_back(threads):
+    # A governed engine (the governor always wants every thread): the rerun after a cut runs on
+    # one thread fewer (on two threads: one), the trace row says so, every other step runs on
+    # all, and the controller is not told of a device change (the rerun is not observed).
     from dlfp.tail import TailDLFP
 
     clock = VirtualClock()
     backend = ThreadedSim(SimCost(), clock=clock)
+    backend.threads = backend.max_threads = threads
     policy = TailDLFP(TailParams(0.1, 4, 1, 256, 1))
     changes = []
     policy.device_changed = lambda cost_factor=None: changes.append(cost_factor)
     engine = Engine(backend, policy, EngineConfig(preemption_budget_s=0.5), clock=clock.now)
-    engine.thread_governor = lambda now: 2
+    engine.thread_governor = lambda now: threads
     engine.step_hooks.append(lambda rec: setattr(backend, "cost_factor", 4.0 if len(engine.trace.steps) >= 120 else 1.0))
     handles = [engine.submit(Request([1 + k % 997 for k in range(800)], 4, BACKGROUND, request_id=f"bg{i}")) for i in range(2)]
     handles.append(engine.submit(Request(list(range(3, 40)), 200, FOREGROUND, ignore_eos=True, request_id="fg")))
@@ -347,9 +349,9 @@ def test_a_cut_steps_decodes_rerun_on_one_thread_and_the_threads_come_back():
     engine.shutdown(abort_pending=False)
     steps = engine.trace.steps
     reruns = [i + 1 for i, s in enumerate(steps) if s.n_prefill_cut]
-    assert reruns and all(steps[i].rule == "cut" and steps[i].threads == 1 for i in reruns)
-    assert {s.threads for i, s in enumerate(steps) if i not in reruns} == {2}
-    assert backend.ran_on.count(1) == len(reruns) and backend.threads == 2 and not changes
+    assert reruns and all(steps[i].rule == "cut" and steps[i].threads == threads - 1 for i in reruns)
+    assert {s.threads for i, s in enumerate(steps) if i not in reruns} == {threads}
+    assert backend.ran_on.count(threads - 1) == len(reruns) and backend.threads == threads and not changes
 
 
 def test_a_new_turn_cuts_the_background_step_it_arrives_behind():
