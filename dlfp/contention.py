@@ -8,8 +8,9 @@ how long some task has waited for a core (a cumulative counter, `devices/pressur
 every `poll_s` while a guarded step runs, and cuts the step once that waiting has covered
 `core_share` of one core's time over the latest `window_s` (a program that starts late in a
 step shows as soon as one that was there from its start); the decodes then rerun alone on
-one thread fewer (`Engine._rerun_on_fewer_threads`). Guarded steps with no prompt token are watched too (no
-deadline bounds them); steps on one thread are not (a rerun would run on the same thread).
+one thread fewer (`Engine._rerun_on_fewer_threads`). Guarded steps with no prompt token are
+watched too (no deadline bounds them); steps on one thread are not (a rerun would run on the
+same thread).
 The engine arms the watch for `StepObserver.watch_within_s`: while the rerun is predicted to
 end within 1.1 T, and for the first half of T at least, so that a false alarm (a burst of
 the engine's own threads, about once a second on two cores) still ends its ITL within the

@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+from dlfp.bench.neighbour import SPIN  # a busy loop that ends with the process that started it
 from dlfp.devices.pressure import cpu_stall_reader
 from dlfp.provenance import write_config
 
 SECONDS = float(os.environ.get("PSI_WEIGHTING_SECONDS", "3"))  # per case
-SPIN = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    for _ in range(100000): pass\n"
 
 
 def _spinners(cpus: list[int]) -> list[subprocess.Popen]:
