@@ -2,11 +2,11 @@
 running system, llama.cpp's thread switch on the tiny GGUF, and the engine driven on the
 SIMULATED backend (a latency model on a virtual clock, not a device) where a scripted
 neighbour takes a core mid-run."""
-from dataclasses import replace
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
