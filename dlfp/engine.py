@@ -363,6 +363,13 @@ class Engine:
             elif kind == "abort" and item in self._seqs:
                 self._finish(self._seqs[item], FinishReason.ABORT)
 
+    def _itl_target_s(self) -> float | None:
+        """The target the next guarded step is planned against (None: the policy's own)."""
+        policy = self.policy
+        if policy.spent_factor == 1.0:
+            return self.scheduler.itl_target_s()
+        return self.scheduler.itl_target_s(policy.params.target_s, policy.spent_factor)
+
     def _step(self) -> None:
         for seq in self.scheduler.admit(self.clock()):
             self._prepare_slot(seq)
@@ -371,7 +378,7 @@ class Engine:
             self._set_threads(self.thread_governor(self.clock()))
         sched = self.scheduler
         turn_first = self.policy.plans_turns and sched.turn_loading()
-        cap = obs.begin(sched.guarded(), sched.planned_decodes(turn_first), sched.itl_target_s(), turn_first,
+        cap = obs.begin(sched.guarded(), sched.planned_decodes(turn_first), self._itl_target_s(), turn_first,
                         sched.next_prompt_position(turn_first))
         bg_allowed, gate_label = self.background_gate(self.clock()) if self.background_gate else (True, None)
         step = sched.plan(cap, obs.budget_cap() if bg_allowed else 0, background=bg_allowed, turn_first=turn_first)

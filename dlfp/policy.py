@@ -96,6 +96,9 @@ class PrefillPolicy(ABC):
     # Sizes a new turn's prompt beside the streams by its own model: background waits while
     # it loads (dlfp.scheduler). A static cap, or none, shares the step as a stock runtime does.
     plans_turns: bool = False
+    # A streaming reply that has spent the ITLs over its target its own P99 absorbs is planned
+    # against target / spent_factor (dlfp.scheduler.Scheduler.itl_target_s); 1: never.
+    spent_factor: float = 1.0
 
     @abstractmethod
     def decide(self, n_decode: int | None = None, target_s: float | None = None,

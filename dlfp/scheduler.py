@@ -8,7 +8,8 @@ How many prompt tokens join:
 - guarded step (a protected sequence decodes): at most the policy's cap, shared by
   all prompts of the step. The policy plans for every decode of the step, against the
   tightest ITL target among the streaming chats (a request's own `itl_target_s`, else
-  the policy's). A cap of 0 (not even one prompt token fits) keeps every background
+  the policy's; a reply that has had the ITLs over it that its own P99 absorbs counts at
+  target / the policy's `spent_factor`). A cap of 0 (not even one prompt token fits) keeps every background
   prompt and decode out. Under a policy that plans new turns (`dlfp`), while a
   foreground prompt (a new turn) loads, the streaming chats' targets come first and
   the new turn second: background prompts and decodes wait, the policy plans for the protected decodes alone, and the turn's chunk is the
@@ -282,11 +283,20 @@ class Scheduler:
             return sum(1 for s in decoding if s.priority in self.protect)
         return len(decoding)
 
-    def itl_target_s(self) -> float | None:
-        """The tightest ITL target among the streaming protected requests (None: none named one)."""
-        named = [s.request.itl_target_s for s in self.decoding()
-                 if s.priority in self.protect and s.request.itl_target_s is not None]
-        return min(named) if named else None
+    def itl_target_s(self, default_s: float | None = None, spent_factor: float = 1.0) -> float | None:
+        """The tightest ITL target among the streaming protected requests, each its own or
+        `default_s` (None: none named one and no default). A reply that has had as many ITLs
+        over its target as its own P99 absorbs counts at target / `spent_factor`: one more
+        would fail its goal."""
+        targets = []
+        for s in self.decoding():
+            target = s.request.itl_target_s or default_s
+            if s.priority not in self.protect or target is None:
+                continue
+            if spent_factor != 1.0 and s.itls_over(target) >= s.excursions_absorbed():
+                target /= spent_factor
+            targets.append(target)
+        return min(targets) if targets else None
 
     # -- planning ----------------------------------------------------------
     def plan(self, cap: int | None, bg_cap: int | None, background: bool = True,

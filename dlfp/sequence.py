@@ -131,6 +131,22 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     finished_s: float | None = None
+    # (bound, gaps over it, token times read): asked every guarded step, so counted as tokens come
+    _over: tuple[float, int, int] = field(default=(0.0, 0, 1), repr=False, compare=False)
+
+    def itls_over(self, bound_s: float) -> int:
+        """The reply's inter-token gaps so far longer than `bound_s`."""
+        bound, count, seen = self._over if self._over[0] == bound_s else (bound_s, 0, 1)
+        t = self.token_times
+        count += sum(1 for i in range(seen, len(t)) if t[i] - t[i - 1] > bound_s)
+        self._over = (bound_s, count, max(seen, len(t)))
+        return count
+
+    def excursions_absorbed(self) -> int:
+        """ITLs over the target that the reply's own P99 (linear interpolation over its
+        max_tokens - 1 gaps) can leave above it: 1 for 64 tokens, 2 for 200."""
+        gaps = self.request.max_tokens - 1
+        return max(0, gaps - 1 - math.floor(0.99 * (gaps - 1)))
 
     @property
     def priority(self) -> str:

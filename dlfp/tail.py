@@ -35,6 +35,10 @@ class TailParams(PaperParams):
     # Under this median measured / predicted over the latest SPEED_STEPS chunk steps the device
     # is taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
+    # A streaming reply that has had the ITLs over its target its own P99 absorbs (one for a
+    # 64-token reply) plans the steps it streams in against target / spent_factor (1: never):
+    # a second one would fail its goal, and the margin lets ~1 - q of the steps over T.
+    spent_factor: float = 1.1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +47,7 @@ class TailParams(PaperParams):
                                 (0.5 <= self.forgetting <= 1, "forgetting in [0.5, 1]", self.forgetting),
                                 (self.prior_spread >= 1, "prior_spread >= 1", self.prior_spread),
                                 (self.probe_every >= 1, "probe_every >= 1", self.probe_every),
+                                (self.spent_factor >= 1, "spent_factor >= 1", self.spent_factor),
                                 (self.cut_at is None or self.cut_at >= 1, "cut_at >= 1 or None", self.cut_at),
                                 (self.faster_below is None or 0 < self.faster_below < 1,
                                  "faster_below in (0, 1) or None", self.faster_below)):
@@ -61,6 +66,7 @@ class TailDLFP(PrefillPolicy):
 
     def __init__(self, params: TailParams, name: str = "dlfp"):
         self.params, self.name, self.plans_turns = params, name, params.turn_first
+        self.spent_factor = params.spent_factor
         self.model = StepCostModel(params.forgetting)
         self.margins = Margin(params.quantile, params.window, params.prior_spread)
         self._speed = 1.0  # the device's step cost relative to the first: the product of the cost factors

@@ -389,3 +389,27 @@ def test_a_new_turn_cuts_the_background_step_it_arrives_behind():
     assert control_counts(steps, None)["bg_steps_cut"] == 1
     plain, waited_plain = go(None)
     assert not any(s.n_prefill_cut for s in plain) and waited_plain > waited
+
+
+@pytest.mark.parametrize("factor", [1.1, 1.0])
+def test_a_reply_that_spent_its_excursion_has_its_steps_planned_against_t_over_the_factor(factor):
+    # SIMULATED: one step at 4x the cost gives the chat (64 tokens: its own P99 absorbs one ITL
+    # over T) its excursion; from then on the steps it streams in are planned against T / 1.1
+    # (the decision record's setpoint x margin), and with the factor at 1 against T throughout.
+    from dlfp.tail import TailDLFP
+
+    clock = VirtualClock()
+    backend = SimBackend(SimCost(), clock=clock)
+    params = TailParams(0.1, 4, 1, 256, 1, cut_at=None, spent_factor=factor)
+    engine = Engine(backend, TailDLFP(params), EngineConfig(preemption_budget_s=0.5), clock=clock.now)
+    engine.step_hooks.append(lambda rec: setattr(backend, "cost_factor", 4.0 if len(engine.trace.steps) == 20 else 1.0))
+    handles = [engine.submit(Request([1 + k % 997 for k in range(800)], 4, BACKGROUND, request_id=f"bg{i}")) for i in range(2)]
+    handles.append(engine.submit(Request(list(range(3, 40)), 64, FOREGROUND, ignore_eos=True, request_id="fg")))
+    engine.start()
+    records = {h.request_id: h.result(timeout=120) for h in handles}
+    engine.shutdown(abort_pending=False)
+    assert max(itls(records["fg"])) > 0.1  # the excursion
+    planned = [(i, s.setpoint_ms * s.margin) for i, s in enumerate(engine.trace.steps) if s.guarded and s.setpoint_ms]
+    assert [t for i, t in planned if i <= 20] == pytest.approx([100.0] * sum(1 for i, _ in planned if i <= 20))
+    after = [t for i, t in planned if i > 21]
+    assert after and after == pytest.approx([100.0 / factor] * len(after))

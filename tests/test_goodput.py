@@ -78,6 +78,28 @@ def test_the_controller_holds_the_tightest_target_among_the_streaming_chats():
     assert sched.itl_target_s() == 0.15  # the fast chat ended: the slow one's target is the tightest named
 
 
+def test_a_reply_that_spent_its_excursion_is_planned_against_a_tighter_target():
+    # A 64-token reply's own P99 (63 ITLs) lies between its two largest ITLs: it absorbs one
+    # ITL over its target; a 200-token reply two; a 2-token reply (one ITL) none.
+    assert [Sequence(Request([1], n), 0.0).excursions_absorbed() for n in (2, 64, 200)] == [0, 1, 2]
+    sched = Scheduler(caps())
+    chat, named = streaming(), streaming(itl_target_s=0.2)
+    for s in (chat, named):
+        s.request.max_tokens = 64
+        sched.add(s)
+    sched.admit()
+    for s in (chat, named):
+        s.status = Status.DECODING
+    chat.token_times, named.token_times = [0.0, 0.09, 0.18], [0.0, 0.15, 0.5]
+    assert sched.itl_target_s() == 0.2  # no factor: the requests' own targets as named
+    assert sched.itl_target_s(0.1, 1.1) == 0.1  # the chat's ITLs within its default target
+    chat.token_times.append(0.3)  # one ITL over 0.1: the one its P99 absorbs is spent
+    assert sched.itl_target_s(0.1, 1.1) == 0.1 / 1.1
+    chat.status = Status.FINISHED
+    sched.running.remove(chat)
+    assert sched.itl_target_s(0.1, 1.1) == 0.2 / 1.1  # 0.35 s over its own 0.2
+
+
 def test_foreground_prompts_load_earliest_deadline_first():
     sched = Scheduler(caps(), ttft_goal_s=5.0)
     late = Sequence(Request(list(range(1, 31)), 4, FOREGROUND), arrival_s=0.0)  # deadline 5.0
