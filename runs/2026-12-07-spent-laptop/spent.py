@@ -18,7 +18,9 @@ def rows(path):
 
 def main(dirs):
     for d in dirs:
-        target_ms = json.load(open(os.path.join(d, "config.json")))["controller"]["target_ms"]
+        config = json.load(open(os.path.join(d, "config.json")))
+        # a bench of served arms names no controller of its own: the profile's is the servers'
+        target_ms = (config.get("controller") or config["profile"]["controller"])["target_ms"]
         for path in sorted(glob.glob(os.path.join(d, "steps-*.jsonl.gz"))):
             name = os.path.basename(path)[len("steps-"):-len(".jsonl.gz")]
             guarded = [s for s in rows(path) if s.get("guarded") and s.get("cut_ms")]
