@@ -35,6 +35,7 @@ class SLO:
 # A request meets its ITL goal when its own P99 ITL is within this factor of its target; the
 # bench holds a whole arm's P99 to the same bound (dlfp.bench.paired.TARGET_TOLERANCE).
 ITL_GOAL_TOLERANCE = 1.1
+ITL_GOAL_PERCENTILE = 99  # of the request's own ITLs, linearly interpolated (`percentile`)
 
 
 GOALS = ("ttft", "itl", "failed")  # what a request's miss can be (`missed_goals`)
@@ -49,7 +50,7 @@ def missed_goals(r: RequestRecord, ttft_goal_s: float | None, itl_target_s: floa
     missed = []
     if ttft_goal_s is not None and ttft(r) > ttft_goal_s:
         missed.append("ttft")
-    p99 = percentile(itls(r), 99)
+    p99 = percentile(itls(r), ITL_GOAL_PERCENTILE)
     if itl_target_s is not None and p99 is not None and p99 > ITL_GOAL_TOLERANCE * itl_target_s:
         missed.append("itl")
     return missed

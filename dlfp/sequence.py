@@ -7,6 +7,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from dlfp.metrics import ITL_GOAL_PERCENTILE
+
 
 
 class Priority(enum.StrEnum):
@@ -143,10 +145,11 @@ class Sequence:
         return count
 
     def excursions_absorbed(self) -> int:
-        """ITLs over the target that the reply's own P99 (linear interpolation over its
-        max_tokens - 1 gaps) can leave above it: 1 for 64 tokens, 2 for 200."""
+        """ITLs over the target that the reply's own P99, as its goal is judged
+        (`dlfp.metrics.missed_goals`, over its max_tokens - 1 gaps), can leave above it: 1 for
+        64 tokens, 2 for 200."""
         gaps = self.request.max_tokens - 1
-        return max(0, gaps - 1 - math.floor(0.99 * (gaps - 1)))
+        return max(0, gaps - 1 - math.floor(ITL_GOAL_PERCENTILE / 100 * (gaps - 1)))
 
     @property
     def priority(self) -> str:
