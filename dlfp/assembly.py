@@ -44,12 +44,14 @@ def is_stock(policy: PrefillPolicy | str) -> bool:
 
 
 # Profile fields a `dlfp:` spec may name: what an arm varies beside the controller's parameters.
-PROFILE_OVERRIDES = ("preemption_budget_ms", "contention_window_ms", "contention_core_share")
+PROFILE_OVERRIDES = ("preemption_budget_ms", "cut_budget_ms", "contention_window_ms", "contention_core_share")
 
 
 def arm_profile(spec: str | PrefillPolicy, profile: DeviceProfile) -> tuple[str | PrefillPolicy, DeviceProfile]:
     """The spec without its profile overrides, and the profile with them
-    (`dlfp:preemption_budget_ms=150:quantile=0.995` -> `dlfp:quantile=0.995`, budget 150 ms)."""
+    (`dlfp:preemption_budget_ms=150:quantile=0.995` -> `dlfp:quantile=0.995`, budget 150 ms).
+    A budget an arm names holds on every backend, one that cuts steps too, unless the arm
+    also names `cut_budget_ms`."""
     if not isinstance(spec, str) or not spec.strip().startswith("dlfp:"):
         return spec, profile
     kept, changes = [], {}
@@ -64,6 +66,8 @@ def arm_profile(spec: str | PrefillPolicy, profile: DeviceProfile) -> tuple[str 
             raise ValueError(f"dlfp parameter {pair!r}: {text!r} is not a float") from None
         if not 0 <= changes[name] < math.inf:  # NaN fails too
             raise ValueError(f"dlfp parameter {pair!r}: needs a finite value >= 0 (0: no budget)")
+    if "preemption_budget_ms" in changes:
+        changes.setdefault("cut_budget_ms", 0.0)
     return ":".join(["dlfp", *kept]), replace(profile, **changes)
 
 
@@ -76,8 +80,8 @@ def make_policy(spec: str | PrefillPolicy, profile: DeviceProfile, itl_target_ms
 
 
 def engine_config(policy: PrefillPolicy | str, profile: DeviceProfile, seed: int = 0,
-                  prefix_hold_s: float = DEFAULT_HOLD_S) -> EngineConfig:
-    budget = None if is_stock(policy) else profile.preemption_budget_s
+                  prefix_hold_s: float = DEFAULT_HOLD_S, cuts_steps: bool = False) -> EngineConfig:
+    budget = None if is_stock(policy) else profile.budget_s(cuts_steps)
     return EngineConfig(preemption_budget_s=budget, preemption_initial=profile.preemption_initial, seed=seed,
                         prefix_hold_s=prefix_hold_s, ttft_goal_s=profile.ttft_goal_ms / 1e3)
 
@@ -102,7 +106,8 @@ def build_engine(
     policy, profile = arm_profile(policy, profile)
     pol = make_policy(policy, profile, itl_target_ms)
     _all_threads(backend)
-    engine = Engine(backend, pol, engine_config(pol, profile, prefix_hold_s=prefix_hold_s), trace=trace, clock=clock)
+    config = engine_config(pol, profile, prefix_hold_s=prefix_hold_s, cuts_steps=backend.capabilities.cut_steps)
+    engine = Engine(backend, pol, config, trace=trace, clock=clock)
     sampler = _sampler(engine, probe_period_s)
     if sampler is not None:
         engine.companions.append(sampler)

@@ -34,11 +34,18 @@ class DeviceProfile:
     # a step's N threads: this share / N; docs/controller.md says why these values).
     contention_window_ms: float = 20.0
     contention_core_share: float = 0.7
+    # The preemption budget where the backend cuts a step at a foreground arrival
+    # (Capabilities.cut_steps): the arrival no longer waits for the step, so the budget bounds
+    # only the work it throws away (0: preemption_budget_ms on every backend).
+    cut_budget_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.contention_window_ms > 0 and 0 < self.contention_core_share <= 1):
             raise ValueError(f"need contention_window_ms > 0 and 0 < contention_core_share <= 1; got "
                              f"{self.contention_window_ms}, {self.contention_core_share}")
+        if not (self.preemption_budget_ms >= 0 and self.cut_budget_ms >= 0):
+            raise ValueError(f"need preemption_budget_ms >= 0 and cut_budget_ms >= 0 (0: none); got "
+                             f"{self.preemption_budget_ms}, {self.cut_budget_ms}")
 
     def controller_params(self, itl_target_ms: float | None = None) -> TailParams:
         """The controller's parameters; `itl_target_ms` overrides the profile's goal."""
@@ -56,6 +63,12 @@ class DeviceProfile:
     @property
     def preemption_budget_s(self) -> float | None:
         return self.preemption_budget_ms / 1e3 if self.preemption_budget_ms > 0 else None
+
+    def budget_s(self, cuts_steps: bool) -> float | None:
+        """The preemption budget on a backend that does, or does not, cut a step at an arrival."""
+        if cuts_steps and self.cut_budget_ms > 0 and self.preemption_budget_ms > 0:
+            return self.cut_budget_ms / 1e3
+        return self.preemption_budget_s
 
 
 def available_profiles() -> list[str]:

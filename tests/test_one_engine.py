@@ -2,6 +2,8 @@
 registry and the parameters path (each defect here was reproduced on the tree before them)."""
 import json
 
+from dataclasses import replace
+
 import pytest
 from click.testing import CliRunner
 
@@ -55,7 +57,7 @@ def sim():
 def test_every_capped_policy_gets_the_budget_and_the_governor(policy):
     engine = build_engine(sim(), policy, LAPTOP, probe_period_s=0.5, start=False)
     assert isinstance(engine.background_gate, ThermalGovernor)
-    assert engine.config.preemption_budget_s == LAPTOP.preemption_budget_s and engine.preemption is not None
+    assert engine.config.preemption_budget_s == LAPTOP.budget_s(cuts_steps=True) and engine.preemption is not None
     assert engine.companions  # the probe sampler starts and stops with the engine
 
 
@@ -64,11 +66,29 @@ def test_a_dlfp_arm_may_name_its_own_preemption_budget():
                           start=False)
     assert engine.config.preemption_budget_s == 0.15 and engine.policy.params.quantile == 0.995
     assert build_engine(sim(), "dlfp:preemption_budget_ms=0", LAPTOP, start=False).preemption is None
-    assert build_engine(sim(), "dlfp", LAPTOP, start=False).config.preemption_budget_s == LAPTOP.preemption_budget_s
+    assert build_engine(sim(), "dlfp", LAPTOP, start=False).config.preemption_budget_s == LAPTOP.budget_s(True)
     for bad, says in (("dlfp:preemption_budget_ms=x", "not a float"), ("dlfp:preemption_budget_ms=-1", ">= 0"),
                       ("dlfp:preemption_budget_ms=nan", "finite"), ("dlfp:preemption_budget_ms=inf", "finite")):
         with pytest.raises(ValueError, match=says):
             build_engine(sim(), bad, LAPTOP, start=False)
+
+
+def test_the_budget_is_longer_where_the_backend_cuts_a_step_at_an_arrival():
+    """An arrival cuts a step on a backend that declares cut_steps, so the budget there bounds only
+    the work thrown away (cut_budget_ms); elsewhere an arrival waits for the step (preemption_budget_ms).
+    A budget an arm names holds on both."""
+    assert LAPTOP.cut_budget_ms > LAPTOP.preemption_budget_ms > 0
+    cutting, waiting = sim(), sim()
+    waiting.capabilities = replace(waiting.capabilities, cut_steps=False)
+    assert build_engine(cutting, "dlfp", LAPTOP, start=False).config.preemption_budget_s == LAPTOP.cut_budget_ms / 1e3
+    assert build_engine(waiting, "dlfp", LAPTOP, start=False).config.preemption_budget_s == LAPTOP.preemption_budget_ms / 1e3
+    for backend in (cutting, waiting):
+        named = build_engine(backend, "dlfp:preemption_budget_ms=150", LAPTOP, start=False)
+        assert named.config.preemption_budget_s == 0.15
+    both = build_engine(cutting, "dlfp:preemption_budget_ms=150:cut_budget_ms=400", LAPTOP, start=False)
+    assert both.config.preemption_budget_s == 0.4
+    assert build_engine(cutting, "dlfp:preemption_budget_ms=0", LAPTOP, start=False).preemption is None
+    assert engine_config("dlfp", replace(LAPTOP, cut_budget_ms=0), cuts_steps=True).preemption_budget_s == 0.1
 
 
 def test_the_laptop_job_builds_each_arm_from_its_spec(monkeypatch):
