@@ -60,15 +60,14 @@ class DeviceProfile:
     def limits(self) -> Limits:
         return Limits(self.max_sequences, self.context_per_sequence, self.max_batch_tokens)
 
-    @property
-    def preemption_budget_s(self) -> float | None:
-        return self.preemption_budget_ms / 1e3 if self.preemption_budget_ms > 0 else None
-
     def budget_s(self, cuts_steps: bool) -> float | None:
-        """The preemption budget on a backend that does, or does not, cut a step at an arrival."""
-        if cuts_steps and self.cut_budget_ms > 0 and self.preemption_budget_ms > 0:
+        """The preemption budget on a backend that does, or does not, cut a step at an arrival
+        (None: no budget)."""
+        if self.preemption_budget_ms <= 0:
+            return None
+        if cuts_steps and self.cut_budget_ms > 0:
             return self.cut_budget_ms / 1e3
-        return self.preemption_budget_s
+        return self.preemption_budget_ms / 1e3
 
 
 def available_profiles() -> list[str]:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from dlfp.metrics import ITL_GOAL_PERCENTILE
 
 
-
 class Priority(enum.StrEnum):
     """A request's class. Strings on the wire and in traces ("foreground"), enums in code."""
 
