@@ -32,9 +32,10 @@ class TailParams(PaperParams):
     # P99 <= 1.1 T absorbs one ITL up to ~1.25 T, so past it the step has failed its replies.
     cut_at: float | None = 1.25
     turn_first: bool = True  # a new turn's prompt loads with background held out (False: shared)
-    # Under this median measured / predicted over the latest SPEED_STEPS chunk steps the device
-    # is taken to have got faster and the model is scaled to it (None: never).
+    # Under this median measured / predicted over the latest `faster_steps` chunk steps the
+    # device is taken to have got faster and the model is scaled to it (None: never).
     faster_below: float | None = 0.7
+    faster_steps: int = 16  # in a row: a loaded CPU runs bursts of 8 fast steps, not a faster device
     # A streaming reply that has had the ITLs over its target its own P99 absorbs (one for a
     # 64-token reply) plans the steps it streams in against target / spent_factor (1: never):
     # a second one would fail its goal, and the margin lets ~1 - q of the steps over T.
@@ -48,6 +49,8 @@ class TailParams(PaperParams):
                                 (self.prior_spread >= 1, "prior_spread >= 1", self.prior_spread),
                                 (self.probe_every >= 1, "probe_every >= 1", self.probe_every),
                                 (self.spent_factor >= 1, "spent_factor >= 1", self.spent_factor),
+                                (1 <= self.faster_steps <= self.window, "faster_steps in [1, window]",
+                                 self.faster_steps),
                                 (self.cut_at is None or self.cut_at >= 1, "cut_at >= 1 or None", self.cut_at),
                                 (self.faster_below is None or 0 < self.faster_below < 1,
                                  "faster_below in (0, 1) or None", self.faster_below)):
@@ -56,7 +59,6 @@ class TailParams(PaperParams):
 
 
 YOUNG_MODEL = 8  # the first steps' ratios measure the model converging, not the device: not kept
-SPEED_STEPS = 8  # chunk steps in a row that tell a faster device from a few lucky steps
 
 
 class TailDLFP(PrefillPolicy):
@@ -182,13 +184,13 @@ class TailDLFP(PrefillPolicy):
         self._follow_speed_up()
 
     def _follow_speed_up(self) -> None:
-        """"faster": where the latest SPEED_STEPS steps in the window all carried prompt tokens
+        """"faster": where the latest `faster_steps` steps in the window all carried prompt tokens
         and ran at a median ratio under `faster_below`, the device got faster than the model can
         learn (one-token chunks beside one decode never measure the base alone): the model is
         scaled by that ratio and the window's ratios by its inverse, keeping the spread. Not
         before the margin has learned (at a new speed the model is a scaled guess, and its
         first ratios measure the guess converging, not the device)."""
-        ratio = self.margins.latest_ratio(SPEED_STEPS) if self.margins.learned else None
+        ratio = self.margins.latest_ratio(self.params.faster_steps) if self.margins.learned else None
         if ratio is not None and ratio < (self.params.faster_below or 0.0):
             self.model.scale(ratio)
             self.margins.rescale(ratio)

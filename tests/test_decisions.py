@@ -12,7 +12,7 @@ from dlfp.sim import SimBackend, SimCost, VirtualClock
 from dlfp.paper import PaperDLFP
 from dlfp.policy import RULES, Decision, FixedCap, StepShape, Unbounded
 from dlfp.margin import MARGIN_SAMPLES
-from dlfp.tail import SPEED_STEPS, TailDLFP, TailParams
+from dlfp.tail import TailDLFP, TailParams
 from dlfp.engine import Engine, EngineConfig
 from dlfp.sequence import BACKGROUND, FOREGROUND, Request
 from dlfp.trace import read_steps, rule_counts
@@ -173,21 +173,37 @@ def test_rule_miss_a_step_that_missed_the_target_sizes_the_next_at_its_own_ratio
 def test_rule_faster_chunk_steps_well_under_their_prediction_scale_the_model_to_the_device():
     c = taught(seq=10.0, token=5.0, forgetting=1.0)  # 20 + 10 + 5 (n - 1): n = 8 at the prior margin
     c.margins.chunk_steps = MARGIN_SAMPLES  # a margin that has measured its device
-    for _ in range(SPEED_STEPS - 1):  # 8-token steps at half their predicted 65 ms
+    for _ in range(c.params.faster_steps - 1):  # 8-token steps at half their predicted 65 ms
         c.observe(0.0325, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
         assert c.decide(1).rule == "model"
     c.observe(0.0325, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
     assert c.model.predict(8, 1) == pytest.approx(32.5)  # every cost halved: a 10, s 5, t 2.5
     d = c.decide(1)  # 10 + 5 + 2.5 (n - 1) <= 66.7: n = 21
     assert (d.cap, d.rule) == (21, "faster")
-    assert [m.ratio for m in c.margins.steps][-SPEED_STEPS:] == [1.0] * SPEED_STEPS  # rescored: the spread kept
+    recent = [m.ratio for m in c.margins.steps][-c.params.faster_steps:]
+    assert recent == [1.0] * c.params.faster_steps  # rescored: the spread kept
+
+
+def test_rule_faster_not_for_a_burst_of_fast_steps():
+    """A loaded CPU runs bursts of 8 chunk steps well under their prediction and then returns:
+    scaled for the burst, the model would under-price the steps after it, and their ratios would
+    hold the margin high for the window's length."""
+    c = taught(seq=10.0, token=5.0, forgetting=1.0)
+    c.margins.chunk_steps = MARGIN_SAMPLES
+    for _ in range(8):  # 8-token steps at half their predicted 65 ms
+        c.observe(0.0325, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
+    c.observe(0.065, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))  # back to the device's pace
+    assert c.decide(1).rule == "model" and c.model.predict(8, 1) == pytest.approx(65.0)
+    c.params = replace(c.params, faster_steps=8)  # counted over 8 steps, the same burst scales it
+    c.observe(0.0325, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
+    assert c.decide(1).rule == "faster"
 
 
 def test_rule_faster_not_while_the_margin_at_a_new_speed_is_young():
     c = taught(seq=10.0, token=5.0, forgetting=1.0)
     c.margins.chunk_steps = MARGIN_SAMPLES
     c.device_changed(2.0)  # a speed not seen before: the model scaled 2x, a margin of its own begun
-    for _ in range(SPEED_STEPS):  # 8-token steps at half their predicted 130 ms: the guess converging
+    for _ in range(c.params.faster_steps):  # 8-token steps at half their predicted 130 ms: the guess converging
         c.observe(0.065, cap=8, shape=StepShape(1, 8, 0, 0, n_chunks=1))
         assert c.decide(1).rule != "faster"
     assert c.model.predict(8, 1) == pytest.approx(130.0)
